@@ -1,0 +1,1 @@
+"""The YAML experiment configs, installed as package data."""

@@ -1,0 +1,1 @@
+"""magicube.model"""

@@ -1,0 +1,138 @@
+"""Build and load the CUDA kernels of `csrc/`, one extension per op family.
+
+Each family `csrc/<family>.cu` compiles on first use through torch's ninja JIT into a cached
+extension `magicube_<family>` that registers its ops under `torch.ops.magicube_cuda`; the
+ahead-of-time build is `python -m magicube.ops.extension` (or `magicube build`). One
+extension per family keeps rebuilds small and lets a machine run the families it can build.
+
+Targets sm_80 (A100) and sm_90a (Hopper; the `a` admits wgmma and setmaxnreg). Set
+MAGICUBE_CUDA_ARCHS (e.g. "90a") to build fewer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("spmm", "sddmm", "softmax")
+OP_FAMILY = {"spmm": "spmm", "sddmm": "sddmm", "sparse_softmax": "softmax"}
+DEFAULT_ARCHS = ("80", "90a")
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+
+
+def available() -> bool:
+    """True where the kernels can run: a CUDA build of torch and a visible device."""
+    return torch.version.cuda is not None and torch.cuda.is_available()
+
+
+def toolchain() -> str | None:
+    """Why the kernels cannot be compiled here, or None if they can."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
+        return "no CUDA toolkit (nvcc) found; set CUDA_HOME"
+    return None
+
+
+def _arch_flags() -> list[str]:
+    archs = os.environ.get("MAGICUBE_CUDA_ARCHS", ",".join(DEFAULT_ARCHS)).replace(";", ",").split(",")
+    return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in (x.strip() for x in archs) if a]
+
+
+def _include_paths() -> list[str]:
+    # torch's CUDA headers include cusparse.h and friends, which a bare toolkit may lack but
+    # the nvidia wheels that a CUDA build of torch depends on carry.
+    paths = []
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            for sub in ("cu13", "cu12"):
+                inc = Path(root) / sub / "include"
+                if inc.is_dir():
+                    paths.append(str(inc))
+    except ImportError:
+        pass
+    return [str(CSRC)] + paths
+
+
+def sources(family: str) -> list[Path]:
+    if family not in FAMILIES:
+        raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
+    return [CSRC / f"{family}.cu"]
+
+
+@functools.cache
+def load(family: str) -> None:
+    """Compile (first use) and load one family; its ops appear under torch.ops.magicube_cuda."""
+    from torch.utils import cpp_extension
+
+    srcs = sources(family)
+    missing = [str(s) for s in srcs if not s.exists()]
+    if missing:
+        raise FileNotFoundError(f"family {family!r}: kernel source missing: {', '.join(missing)}")
+    reason = toolchain()
+    if reason:
+        raise RuntimeError(f"cannot build the {family!r} kernels: {reason}")
+    name = f"magicube_{family}"
+    build_dir = os.environ.get("MAGICUBE_BUILD_DIR")
+    if build_dir:
+        build_dir = str(Path(build_dir) / name)
+        os.makedirs(build_dir, exist_ok=True)
+    print(f"magicube: loading the {family} kernels (compiled on first use, which takes a few minutes; "
+          "cached afterwards)", file=sys.stderr, flush=True)
+    cpp_extension.load(
+        name=name,
+        sources=[str(s) for s in srcs],
+        extra_cuda_cflags=["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", *_arch_flags()],
+        extra_cflags=["-O3", "-std=c++17"],
+        extra_include_paths=_include_paths(),
+        build_directory=build_dir,
+        is_python_module=False,
+        verbose=bool(os.environ.get("MAGICUBE_VERBOSE_BUILD")),
+    )
+
+
+@functools.cache
+def ops_or_none(op: str):
+    """torch.ops.magicube_cuda if the family of `op` can be loaded here, else None (with a warning).
+
+    A missing toolchain or kernel source falls back to the reference, which also runs on the
+    GPU; a compile error in a present source is raised, never hidden.
+    """
+    family = OP_FAMILY[op]
+    if not sources(family)[0].exists() or toolchain():
+        why = toolchain() or f"no kernel source for {family!r}"
+        warnings.warn(f"magicube: {op} runs the pure-PyTorch reference on the GPU ({why}); it is slow",
+                      stacklevel=3)
+        return None
+    load(family)
+    return torch.ops.magicube_cuda
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m magicube.ops.extension",
+                                     description="Build the CUDA kernels ahead of time.")
+    parser.add_argument("families", nargs="*", default=list(FAMILIES), help=f"any of {FAMILIES}")
+    args = parser.parse_args(argv)
+    reason = toolchain()
+    if reason:
+        print(f"magicube: cannot build the kernels: {reason}", file=sys.stderr)
+        return 1
+    for family in args.families:
+        load(family)
+        print(f"magicube: {family} kernels built")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Vector-sparse masks and the SR-BCRS format of the paper.
+
+A sparse M x K matrix keeps whole V x 1 column vectors (V in {2, 4, 8}): its mask is an
+(M/V) x K boolean matrix of "vector rows". SR-BCRS stores each vector row's kept vectors
+padded to a multiple of the stride S (the MMA reduction size), and inside every block of S
+slots the V x S values row-major, so that a warp reads operand fragments contiguously:
+
+    value of row i*V + r at slot p = start_i + j*S + c  ->  flat offset (start_i + j*S)*V + r*S + c
+
+Padding slots carry column -1 and value 0. One pattern is shared by every (batch x head);
+the values carry the leading batch dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+VECTOR_LENGTHS = (2, 4, 8)
+STRIDES = (8, 16, 32, 64)
+
+# Slot s of an 8-slot group holds logical column INT4_SHUFFLE[s]: with this order the low
+# nibbles of a packed 32-bit word are logical columns 0..3 and the high nibbles 4..7, so a
+# kernel unpacks int4 to int8 with one mask and one shift per word instead of a transpose.
+INT4_SHUFFLE = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def _check_vector_length(v: int) -> None:
+    if v not in VECTOR_LENGTHS:
+        raise ValueError(f"v: expected one of {VECTOR_LENGTHS}, got {v!r}")
+
+
+@dataclass(frozen=True)
+class VectorMask:
+    """Which V x 1 column vectors of an M x K matrix are kept.
+
+    `mask` is a bool tensor of shape (M/V, K): mask[i, k] keeps rows i*V .. i*V+V-1 of column k.
+    """
+
+    mask: torch.Tensor
+    v: int
+
+    def __post_init__(self):
+        _check_vector_length(self.v)
+        if not isinstance(self.mask, torch.Tensor) or self.mask.dtype != torch.bool or self.mask.dim() != 2:
+            got = f"{self.mask.dtype} tensor of shape {tuple(self.mask.shape)}" if isinstance(self.mask, torch.Tensor) else type(self.mask).__name__
+            raise ValueError(f"mask: expected a 2-D bool tensor of shape (M/V, K), got {got}")
+
+    @property
+    def m(self) -> int:
+        return self.mask.shape[0] * self.v
+
+    @property
+    def k(self) -> int:
+        return self.mask.shape[1]
+
+    @property
+    def density(self) -> float:
+        return float(self.mask.float().mean()) if self.mask.numel() else 0.0
+
+    def to_dense(self) -> torch.Tensor:
+        """The element mask, (M, K) bool."""
+        return self.mask.repeat_interleave(self.v, dim=0)
+
+
+def random_vector_mask(m: int, k: int, v: int, sparsity: float, seed: int = 0) -> VectorMask:
+    """Keep round((1 - sparsity) * K) random vectors in each vector row, as in the paper.
+
+    Every vector row keeps the same count, so rows are balanced; the columns differ per row.
+    """
+    _check_vector_length(v)
+    if m <= 0 or m % v:
+        raise ValueError(f"m: expected a positive multiple of v={v}, got {m}")
+    if k <= 0:
+        raise ValueError(f"k: expected a positive number of columns, got {k}")
+    if not 0.0 <= sparsity <= 1.0:
+        raise ValueError(f"sparsity: expected a fraction in [0, 1], got {sparsity}")
+    keep = round((1.0 - sparsity) * k)
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(m // v, k, generator=gen)
+    idx = scores.argsort(dim=1)[:, :keep]
+    mask = torch.zeros(m // v, k, dtype=torch.bool)
+    mask.scatter_(1, idx, True)
+    return VectorMask(mask, v)
+
+
+def vector_mask_from_dense(dense: torch.Tensor, v: int) -> VectorMask:
+    """Validate an (M, K) bool mask made of whole V x 1 vectors and return its VectorMask."""
+    _check_vector_length(v)
+    if not isinstance(dense, torch.Tensor) or dense.dtype != torch.bool or dense.dim() != 2:
+        got = f"{dense.dtype} tensor of shape {tuple(dense.shape)}" if isinstance(dense, torch.Tensor) else type(dense).__name__
+        raise ValueError(f"dense: expected a 2-D bool tensor (M, K), got {got}")
+    m, k = dense.shape
+    if m % v:
+        raise ValueError(f"dense: its {m} rows are not a multiple of v={v}")
+    groups = dense.reshape(m // v, v, k)
+    kept = groups.any(dim=1)
+    if not torch.equal(groups.all(dim=1), kept):
+        i, col = (kept & ~groups.all(dim=1)).nonzero()[0].tolist()
+        raise ValueError(
+            f"dense: not a V x 1 vector mask for v={v}: rows {i * v}..{i * v + v - 1} of column {col} "
+            "are partly kept")
+    return VectorMask(kept.cpu(), v)
+
+
+@dataclass(frozen=True)
+class SRBCRS:
+    """The index part of an SR-BCRS matrix; values live in separate [..., nnz_pad*V] tensors.
+
+    row_ptr:   int32 [2*(M/V)], pairs (start of the padded vector row, start + kept count),
+               in slots.
+    col_idx:   int32 [nnz_pad], kept columns ascending (or int4-shuffled), -1 for padding.
+    row_order: int32 [M/V], vector rows by decreasing padded length, for load balance.
+    """
+
+    m: int
+    k: int
+    v: int
+    stride: int
+    row_ptr: torch.Tensor
+    col_idx: torch.Tensor
+    row_order: torch.Tensor
+    shuffled: bool = False
+
+    @classmethod
+    def from_mask(cls, mask: VectorMask, stride: int = 32, shuffle: bool = False) -> "SRBCRS":
+        if not isinstance(mask, VectorMask):
+            raise TypeError(f"mask: expected a VectorMask, got {type(mask).__name__}")
+        if stride not in STRIDES:
+            raise ValueError(f"stride: expected one of {STRIDES}, got {stride!r}")
+        bits = mask.mask.cpu()
+        rows, k = bits.shape
+        counts = bits.sum(dim=1).to(torch.int64)
+        padded = (counts + stride - 1) // stride * stride
+        starts = torch.cumsum(padded, 0) - padded
+        row_ptr = torch.stack([starts, starts + counts], dim=1).reshape(-1)
+        nnz_pad = int(padded.sum())
+        if nnz_pad >= 2**31:
+            raise ValueError(f"mask: {nnz_pad} padded vectors exceed the int32 indices of the format")
+        col_idx = torch.full((nnz_pad,), -1, dtype=torch.int64)
+        row_of, col_of = bits.nonzero(as_tuple=True)
+        # position of each kept vector inside its row = running index minus the row's first one
+        first = torch.cumsum(counts, 0) - counts
+        slot = starts[row_of] + torch.arange(row_of.numel()) - first[row_of]
+        col_idx[slot] = col_of
+        if shuffle:
+            col_idx = col_idx[_shuffle_permutation(nnz_pad)]
+        row_order = torch.sort(padded, descending=True, stable=True).indices
+        return cls(mask.m, k, mask.v, stride, row_ptr.to(torch.int32), col_idx.to(torch.int32),
+                   row_order.to(torch.int32), shuffle)
+
+    @property
+    def nnz_pad(self) -> int:
+        return self.col_idx.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.col_idx.device
+
+    def to(self, device) -> "SRBCRS":
+        return SRBCRS(self.m, self.k, self.v, self.stride, self.row_ptr.to(device),
+                      self.col_idx.to(device), self.row_order.to(device), self.shuffled)
+
+    def vector_mask(self) -> VectorMask:
+        mask = torch.zeros(self.m // self.v, self.k, dtype=torch.bool)
+        row, col = slot_coordinates(self.row_ptr.cpu(), self.col_idx.cpu())
+        keep = col >= 0
+        mask[row[keep], col[keep]] = True
+        return VectorMask(mask, self.v)
+
+    def element_coordinates(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return value_coordinates(self.row_ptr, self.col_idx, self.v, self.stride)
+
+    def pack_values(self, dense: torch.Tensor) -> torch.Tensor:
+        """[..., M, K] dense -> [..., nnz_pad*V] values in the SR-BCRS layout (0 on padding)."""
+        if dense.dim() < 2 or tuple(dense.shape[-2:]) != (self.m, self.k):
+            raise ValueError(f"dense: expected shape [..., {self.m}, {self.k}], got {tuple(dense.shape)}")
+        row, col = self.element_coordinates()
+        row, col = row.to(dense.device), col.to(dense.device)
+        pad = col < 0
+        out = dense[..., row, col.clamp(min=0)]
+        return out.masked_fill(pad, 0)
+
+    def to_dense(self, values: torch.Tensor) -> torch.Tensor:
+        """[..., nnz_pad*V] values -> [..., M, K] dense with zeros outside the mask."""
+        if values.dim() < 1 or values.shape[-1] != self.nnz_pad * self.v:
+            raise ValueError(
+                f"values: expected last dimension nnz_pad*V = {self.nnz_pad * self.v}, got shape {tuple(values.shape)}")
+        row, col = self.element_coordinates()
+        row, col = row.to(values.device), col.to(values.device)
+        keep = col >= 0
+        out = values.new_zeros(*values.shape[:-1], self.m, self.k)
+        out[..., row[keep], col[keep]] = values[..., keep]
+        return out
+
+
+def _shuffle_permutation(n: int) -> torch.Tensor:
+    """Index map that applies INT4_SHUFFLE inside every aligned group of 8 slots."""
+    if n % 8:
+        raise ValueError(f"shuffle: needs padded rows that are a multiple of 8 slots, got {n} slots")
+    base = torch.arange(n).reshape(-1, 8)
+    return base[:, list(INT4_SHUFFLE)].reshape(-1)
+
+
+def slot_coordinates(row_ptr: torch.Tensor, col_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(vector row, column) of every slot; column -1 on padding."""
+    starts = row_ptr[0::2].long()
+    padded = torch.diff(starts, append=starts.new_tensor([col_idx.numel()]))
+    rows = torch.repeat_interleave(torch.arange(starts.numel(), device=col_idx.device), padded)
+    return rows, col_idx.long()
+
+
+def value_coordinates(row_ptr: torch.Tensor, col_idx: torch.Tensor, v: int, stride: int):
+    """(row, col) in the M x K matrix of every flat value offset; col is -1 on padding."""
+    row, col = slot_coordinates(row_ptr, col_idx)
+    offset = torch.arange(col_idx.numel() * v, device=col_idx.device)
+    slot = offset // (v * stride) * stride + offset % stride
+    return row[slot] * v + offset // stride % v, col[slot]

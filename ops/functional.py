@@ -1,0 +1,87 @@
+"""The public ops: SR-BCRS patterns in, the registered `torch.ops.magicube` ops underneath."""
+
+from __future__ import annotations
+
+import torch
+
+from . import library  # noqa: F401  (registers the ops)
+from .format import SRBCRS
+
+_ops = torch.ops.magicube
+
+
+def _pattern(pattern: SRBCRS, device: torch.device) -> SRBCRS:
+    if not isinstance(pattern, SRBCRS):
+        raise ValueError(f"pattern: expected an SRBCRS, got {type(pattern).__name__}")
+    if pattern.stride != library.OP_STRIDE:
+        raise ValueError(f"pattern: the ops read SR-BCRS of stride {library.OP_STRIDE}, got stride {pattern.stride}; "
+                         f"build it with SRBCRS.from_mask(mask, stride={library.OP_STRIDE})")
+    if pattern.device != device:
+        raise ValueError(f"pattern: on {pattern.device} but the data is on {device}; use pattern.to({str(device)!r})")
+    return pattern
+
+
+def expand_scale(scale, bh: int, n: int, name: str, device) -> torch.Tensor:
+    """A per-tensor, per-(batch x head) or per-row scale as the contiguous fp32 [BH, n] the ops read."""
+    s = torch.as_tensor(scale, dtype=torch.float32, device=device)
+    if s.dim() == 1 and s.numel() == bh:
+        s = s[:, None]
+    if s.dim() > 2 or (s.dim() == 2 and (s.shape[0] not in (1, bh) or s.shape[1] not in (1, n))):
+        raise ValueError(f"{name}: expected a number, a 0-d tensor, [BH={bh}], [BH, 1] or [BH, {n}] scales, "
+                         f"got shape {tuple(s.shape)}")
+    return s.expand(bh, n).contiguous()
+
+
+def _scales(scale_a, scale_b, bh, rows, cols, device):
+    if scale_a is None and scale_b is None:
+        return None, None
+    return expand_scale(scale_a, bh, rows, "scale_a", device), expand_scale(scale_b, bh, cols, "scale_b", device)
+
+
+def spmm(pattern: SRBCRS, a_values: torch.Tensor, b: torch.Tensor, *, a_bits: int = 16, b_bits: int = 16,
+         a_signed: bool = True, scale_a=None, scale_b=None, out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """C[bh] = A[bh] @ B[bh]: sparse A (SR-BCRS values [BH, nnz_pad*V]) times dense B [BH, K, N].
+
+    Integer inputs come in the containers of `magicube.ops.quant` (int4 packed along N for B);
+    the result is dequantized with scale_a (per row of A) and scale_b (per column of B) to
+    fp16, or returned as the exact int64 accumulator with out_dtype=torch.int64. fp16 inputs
+    take no scales.
+    """
+    p = _pattern(pattern, b.device)
+    if b.dim() != 3:
+        raise ValueError(f"b: expected a [BH, K, N] tensor, got shape {tuple(b.shape)}")
+    if b.shape[1] != p.k:
+        raise ValueError(f"b: expected K = {p.k} rows (the pattern's columns), got shape {tuple(b.shape)}")
+    bh = b.shape[0]
+    n = b.shape[2] * (2 if (b_bits == 4 and b.dtype == torch.uint8) else 1)
+    sa, sb = _scales(scale_a, scale_b, bh, p.m, n, b.device)
+    return _ops.spmm(p.row_ptr, p.col_idx, p.row_order, a_values.contiguous(), b.contiguous(), sa, sb, p.v, p.m,
+                     a_bits, a_signed, b_bits, out_dtype)
+
+
+def sddmm(pattern: SRBCRS, a: torch.Tensor, b: torch.Tensor, *, bits: int = 16, scale_a=None, scale_b=None,
+          out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """(A[bh] @ B[bh]^T) at the pattern's kept entries, as SR-BCRS values [BH, nnz_pad*V].
+
+    A is [BH, M, K] and B [BH, N, K] (N = the pattern's columns), int4 packed along K.
+    """
+    p = _pattern(pattern, a.device)
+    if a.dim() != 3 or b.dim() != 3:
+        raise ValueError(f"a, b: expected [BH, M, K] and [BH, N, K], got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    if b.shape[1] != p.k:
+        raise ValueError(f"b: expected N = {p.k} rows (the pattern's columns), got shape {tuple(b.shape)}")
+    sa, sb = _scales(scale_a, scale_b, a.shape[0], p.m, p.k, a.device)
+    return _ops.sddmm(p.row_ptr, p.col_idx, p.row_order, a.contiguous(), b.contiguous(), sa, sb, p.v, bits,
+                      out_dtype)
+
+
+def sparse_softmax(pattern: SRBCRS, values: torch.Tensor, *, scale: float = 1.0,
+                   out_bits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of scale * values over the kept entries of every row.
+
+    out_bits=0 gives fp16 probabilities; 16/8/4 give unsigned integers in SR-BCRS containers
+    with a per-row fp32 dequantization scale (1 / (row sum * qmax)), ready for
+    spmm(a_bits=out_bits, a_signed=False, scale_a=row_scale). Rows with no kept entry are 0.
+    """
+    p = _pattern(pattern, values.device)
+    return _ops.sparse_softmax(p.row_ptr, p.col_idx, p.row_order, values.contiguous(), p.v, float(scale), out_bits)

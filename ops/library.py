@@ -1,0 +1,190 @@
+"""The op schemas (defined once), their argument checks, and one implementation per device.
+
+CPU: the pure-PyTorch reference. CUDA: the kernels of `csrc/`, built on first use; where
+they cannot be built (no compiler) the reference runs on the GPU, with a warning. Fake
+implementations give shapes to `torch.compile`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import extension, reference
+from .format import VECTOR_LENGTHS
+from .quant import check_bits, container_dtype
+
+NAMESPACE = "magicube"
+OP_STRIDE = reference.OP_STRIDE
+
+SPMM_PAIRS = ((8, 8), (4, 4), (16, 8), (16, 16), (8, 4), (16, 4), (12, 4))
+SDDMM_BITS = (8, 4, 16)
+SOFTMAX_BITS = (0, 4, 8, 16)
+
+SCHEMAS = {
+    "spmm": "spmm(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor a_values, Tensor b, "
+            "Tensor? scale_a, Tensor? scale_b, int v, int m, int a_bits, bool a_signed, int b_bits, "
+            "ScalarType out_dtype) -> Tensor",
+    "sddmm": "sddmm(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor a, Tensor b, "
+             "Tensor? scale_a, Tensor? scale_b, int v, int bits, ScalarType out_dtype) -> Tensor",
+    "sparse_softmax": "sparse_softmax(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor values, "
+                      "int v, float scale, int out_bits) -> (Tensor, Tensor)",
+}
+
+for _name, _schema in SCHEMAS.items():
+    torch.library.define(f"{NAMESPACE}::{_name}", _schema[_schema.index("("):])
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks: metadata only (no device sync), shared by every implementation.
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+
+def _check_tensor(name, t, dtype=None, dim=None, shape=None, device=None):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {_describe(t)}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name}: expected a {dim}-D tensor, got {_describe(t)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {_describe(t)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} like the other inputs, got {_describe(t)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got a strided view of shape {tuple(t.shape)}; "
+                         "call .contiguous() first")
+
+def _check_pattern(row_ptr, col_idx, row_order, v, device):
+    if v not in VECTOR_LENGTHS:
+        raise ValueError(f"v: expected one of {VECTOR_LENGTHS}, got {v!r}")
+    _check_tensor("row_ptr", row_ptr, torch.int32, 1, device=device)
+    if row_ptr.numel() % 2:
+        raise ValueError(f"row_ptr: expected 2*(M/V) entries (pairs), got {row_ptr.numel()}")
+    _check_tensor("col_idx", col_idx, torch.int32, 1, device=device)
+    if col_idx.numel() % OP_STRIDE:
+        raise ValueError(f"col_idx: the ops read patterns of stride {OP_STRIDE}; got {col_idx.numel()} slots, "
+                         f"not a multiple of {OP_STRIDE} (build it with SRBCRS.from_mask(mask, stride={OP_STRIDE}))")
+    _check_tensor("row_order", row_order, torch.int32, 1, shape=(row_ptr.numel() // 2,), device=device)
+
+def _check_scales(scale_a, scale_b, rows, cols, bh, device, quantized, out_dtype):
+    if not quantized:
+        if scale_a is not None or scale_b is not None:
+            raise ValueError("scale_a, scale_b: fp16 inputs take no scales; pass None")
+        if out_dtype != torch.float16:
+            raise ValueError(f"out_dtype: fp16 inputs give float16 outputs, got {out_dtype}")
+        return
+    if out_dtype not in (torch.float16, torch.int64):
+        raise ValueError(f"out_dtype: expected torch.float16 (dequantized) or torch.int64 (raw), got {out_dtype}")
+    if out_dtype == torch.float16 and (scale_a is None or scale_b is None):
+        raise ValueError("scale_a, scale_b: a float16 output of integer inputs needs both scales")
+    if scale_a is not None:
+        _check_tensor("scale_a", scale_a, torch.float32, shape=(bh, rows), device=device)
+    if scale_b is not None:
+        _check_tensor("scale_b", scale_b, torch.float32, shape=(bh, cols), device=device)
+
+def _check_values(name, t, bh, elements, bits, signed, device):
+    """A value tensor of the SR-BCRS layout: [BH, nnz_pad*V] elements (int4 packed)."""
+    dtype = torch.float16 if t.dtype == torch.float16 else container_dtype(bits, signed)
+    width = elements // 2 if (bits == 4 and dtype == torch.uint8) else elements
+    _check_tensor(name, t, dtype, shape=(bh, width), device=device)
+
+def check_spmm(row_ptr, col_idx, row_order, a_values, b, scale_a, scale_b, v, m, a_bits, a_signed, b_bits,
+               out_dtype):
+    device = a_values.device if isinstance(a_values, torch.Tensor) else None
+    _check_pattern(row_ptr, col_idx, row_order, v, device)
+    if m != row_ptr.numel() // 2 * v:
+        raise ValueError(f"m: expected (M/V)*V = {row_ptr.numel() // 2 * v} rows for this pattern, got {m}")
+    _check_tensor("b", b, dim=3, device=device)
+    quantized = a_values.dtype != torch.float16
+    if quantized:
+        if (a_bits, b_bits) not in SPMM_PAIRS:
+            raise ValueError(f"a_bits, b_bits: expected one of the pairs {SPMM_PAIRS}, got ({a_bits}, {b_bits})")
+        check_bits(a_bits, a_signed, "a_bits")
+        _check_tensor("b", b, container_dtype(b_bits))
+    elif b.dtype != torch.float16:
+        raise ValueError(f"b: fp16 a_values need fp16 b, got {_describe(b)}")
+    bh = b.shape[0]
+    _check_values("a_values", a_values, bh, col_idx.numel() * v, a_bits, a_signed, device)
+    n = b.shape[2] * (2 if quantized and b_bits == 4 else 1)
+    _check_scales(scale_a, scale_b, m, n, bh, device, quantized, out_dtype)
+    return bh, m, n
+
+def check_sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, out_dtype):
+    device = a.device if isinstance(a, torch.Tensor) else None
+    _check_pattern(row_ptr, col_idx, row_order, v, device)
+    _check_tensor("a", a, dim=3, device=device)
+    _check_tensor("b", b, dim=3, device=device)
+    quantized = a.dtype != torch.float16
+    if quantized:
+        if bits not in SDDMM_BITS:
+            raise ValueError(f"bits: expected one of {SDDMM_BITS}, got {bits!r}")
+        _check_tensor("a", a, container_dtype(bits))
+        _check_tensor("b", b, container_dtype(bits))
+    elif b.dtype != torch.float16:
+        raise ValueError(f"b: fp16 a needs fp16 b, got {_describe(b)}")
+    m = row_ptr.numel() // 2 * v
+    bh = a.shape[0]
+    if a.shape[1] != m:
+        raise ValueError(f"a: expected {m} rows (M of the pattern), got {_describe(a)}")
+    if b.shape[0] != bh or b.shape[2] != a.shape[2]:
+        raise ValueError(f"b: expected shape ({bh}, N, {a.shape[2]}) to match a {tuple(a.shape)}, got {_describe(b)}")
+    _check_scales(scale_a, scale_b, m, b.shape[1], bh, device, quantized, out_dtype)
+    return bh, col_idx.numel() * v
+
+def check_sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits):
+    device = values.device if isinstance(values, torch.Tensor) else None
+    _check_pattern(row_ptr, col_idx, row_order, v, device)
+    _check_tensor("values", values, torch.float16, 2, device=device)
+    if values.shape[1] != col_idx.numel() * v:
+        raise ValueError(f"values: expected [BH, nnz_pad*V = {col_idx.numel() * v}], got {_describe(values)}")
+    if out_bits not in SOFTMAX_BITS:
+        raise ValueError(f"out_bits: expected one of {SOFTMAX_BITS} (0 = fp16), got {out_bits!r}")
+    return values.shape[0], row_ptr.numel() // 2 * v
+
+CHECKS = {"spmm": check_spmm, "sddmm": check_sddmm, "sparse_softmax": check_sparse_softmax}
+
+# ---------------------------------------------------------------------------------------------
+# Implementations.
+
+def _register(name):
+    check, ref = CHECKS[name], getattr(reference, name)
+
+    def cpu(*args):
+        check(*args)
+        return ref(*args)
+
+    def cuda(*args):
+        check(*args)
+        kernels = extension.ops_or_none(name)
+        if kernels is None:
+            return ref(*args)
+        return getattr(kernels, name)(*args)
+
+    torch.library.impl(f"{NAMESPACE}::{name}", "CPU")(cpu)
+    torch.library.impl(f"{NAMESPACE}::{name}", "CUDA")(cuda)
+
+for _name in SCHEMAS:
+    _register(_name)
+
+@torch.library.register_fake(f"{NAMESPACE}::spmm")
+def _spmm_fake(row_ptr, col_idx, row_order, a_values, b, scale_a, scale_b, v, m, a_bits, a_signed, b_bits,
+               out_dtype):
+    bh, m, n = check_spmm(row_ptr, col_idx, row_order, a_values, b, scale_a, scale_b, v, m, a_bits, a_signed,
+                          b_bits, out_dtype)
+    return a_values.new_empty((bh, m, n), dtype=out_dtype)
+
+@torch.library.register_fake(f"{NAMESPACE}::sddmm")
+def _sddmm_fake(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, out_dtype):
+    bh, width = check_sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, out_dtype)
+    return a.new_empty((bh, width), dtype=out_dtype)
+
+@torch.library.register_fake(f"{NAMESPACE}::sparse_softmax")
+def _sparse_softmax_fake(row_ptr, col_idx, row_order, values, v, scale, out_bits):
+    bh, m = check_sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits)
+    if out_bits == 0:
+        probs = torch.empty_like(values)
+    elif out_bits == 4:
+        probs = values.new_empty((bh, values.shape[1] // 2), dtype=torch.uint8)
+    else:
+        probs = values.new_empty(values.shape, dtype=container_dtype(out_bits, signed=False))
+    return probs, values.new_empty((bh, m), dtype=torch.float32)
