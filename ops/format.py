@@ -123,6 +123,34 @@ class SRBCRS:
     row_order: torch.Tensor
     shuffled: bool = False
 
+    def __post_init__(self):
+        """Validate the index arrays once, so that kernels never index through a bad entry."""
+        _check_vector_length(self.v)
+        if self.stride not in STRIDES:
+            raise ValueError(f"stride: expected one of {STRIDES}, got {self.stride!r}")
+        if self.m <= 0 or self.m % self.v:
+            raise ValueError(f"m: expected a positive multiple of v={self.v}, got {self.m}")
+        rows = self.m // self.v
+        for name, t, n in (("row_ptr", self.row_ptr, 2 * rows), ("col_idx", self.col_idx, None),
+                           ("row_order", self.row_order, rows)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+                raise ValueError(f"{name}: expected a 1-D int32 tensor, got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}")
+            if n is not None and t.numel() != n:
+                raise ValueError(f"{name}: expected {n} entries for m={self.m}, v={self.v}, got {t.numel()}")
+        starts, ends = self.row_ptr[0::2].long(), self.row_ptr[1::2].long()
+        padded = torch.diff(starts, append=starts.new_tensor([self.nnz_pad]))
+        if (rows and int(starts[0]) != 0) or bool((starts % self.stride != 0).any()) or bool((padded < 0).any()):
+            raise ValueError(f"row_ptr: row starts must begin at 0, ascend and be multiples of the stride {self.stride}")
+        if bool(((ends < starts) | (ends - starts > padded) | (padded - (ends - starts) >= self.stride)).any()):
+            raise ValueError("row_ptr: each pair must be (start, start + kept count) with the count padded by less "
+                             "than one stride")
+        if self.col_idx.numel() and (int(self.col_idx.min()) < -1 or int(self.col_idx.max()) >= self.k):
+            raise ValueError(f"col_idx: entries must be -1 (padding) or columns in [0, {self.k}), got range "
+                             f"[{int(self.col_idx.min())}, {int(self.col_idx.max())}]")
+        if not torch.equal(torch.sort(self.row_order.long()).values, torch.arange(rows, device=self.row_order.device)):
+            raise ValueError(f"row_order: expected a permutation of the {rows} vector rows")
+
     @classmethod
     def from_mask(cls, mask: VectorMask, stride: int = 32, shuffle: bool = False) -> "SRBCRS":
         if not isinstance(mask, VectorMask):

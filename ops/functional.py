@@ -24,9 +24,9 @@ def _pattern(pattern: SRBCRS, device: torch.device) -> SRBCRS:
 def expand_scale(scale, bh: int, n: int, name: str, device) -> torch.Tensor:
     """A per-tensor, per-(batch x head) or per-row scale as the contiguous fp32 [BH, n] the ops read."""
     s = torch.as_tensor(scale, dtype=torch.float32, device=device)
-    if s.dim() == 1 and s.numel() == bh:
+    if s.dim() == 1 and s.numel() in (1, bh):
         s = s[:, None]
-    if s.dim() > 2 or (s.dim() == 2 and (s.shape[0] not in (1, bh) or s.shape[1] not in (1, n))):
+    if s.dim() not in (0, 2) or (s.dim() == 2 and (s.shape[0] not in (1, bh) or s.shape[1] not in (1, n))):
         raise ValueError(f"{name}: expected a number, a 0-d tensor, [BH={bh}], [BH, 1] or [BH, {n}] scales, "
                          f"got shape {tuple(s.shape)}")
     return s.expand(bh, n).contiguous()

@@ -18,6 +18,8 @@ OP_STRIDE = 32
 def _dequantize(acc: torch.Tensor, scale: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     if out_dtype == torch.int64:
         return acc
+    if scale is None:  # fp16 inputs, accumulated in fp32
+        return acc.to(out_dtype)
     return (acc.to(torch.float32) * scale).to(out_dtype)
 
 

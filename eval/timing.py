@@ -1,0 +1,101 @@
+"""What every benchmark shares: CUDA-event timing, the run's environment, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def cuda_time(fn, warmup: int = 10, reps: int = 100, flush_l2: bool = False) -> dict:
+    """Median and 95 % interval (ms) of `fn()` over `reps` runs timed with CUDA events.
+
+    Each run has its own pair of events, so one slow run does not smear into the others.
+    With flush_l2 a buffer larger than the L2 is overwritten before every run, so inputs
+    smaller than the cache are not timed from it.
+    """
+    for _ in range(warmup):
+        fn()
+    scratch = None
+    if flush_l2:
+        l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+        scratch = torch.empty(2 * l2, dtype=torch.uint8, device="cuda")
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        if scratch is not None:
+            scratch.zero_()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return summarize([s.elapsed_time(e) for s, e in zip(starts, ends)])
+
+
+def cpu_time(fn, warmup: int = 2, reps: int = 10) -> dict:
+    """The same summary from the host clock, for runs on a machine without CUDA."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return summarize(times)
+
+
+def summarize(times_ms: list[float]) -> dict:
+    ordered = sorted(times_ms)
+    n = len(ordered)
+    return {
+        "median_ms": statistics.median(ordered),
+        "p025_ms": ordered[int(0.025 * (n - 1))],
+        "p975_ms": ordered[int(round(0.975 * (n - 1)))],
+        "reps": n,
+    }
+
+
+def git_commit() -> str:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment() -> dict:
+    """Device, versions and commit: what a reader needs to trust or reproduce a number."""
+    env = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "commit": git_commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env.update(device=props.name, sm=f"{props.major}.{props.minor}", multiprocessors=props.multi_processor_count)
+    else:
+        env.update(device=f"CPU ({platform.processor() or platform.machine()}), {os.cpu_count()} cores")
+    return env
+
+
+def save_json(path, obj) -> Path:
+    """Write JSON atomically (a temporary file renamed over the target)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+    os.replace(tmp, path)
+    return path

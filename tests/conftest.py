@@ -1,0 +1,33 @@
+"""Shared fixtures and strategies: random SR-BCRS problems of awkward shapes."""
+
+import pytest
+import torch
+
+from magicube.ops import SRBCRS, VectorMask, random_vector_mask, to_container
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def awkward_mask(m: int, k: int, v: int, sparsity: float, seed: int) -> VectorMask:
+    """A random vector mask with an empty vector row and one full ("huge") row when possible."""
+    mask = random_vector_mask(m, k, v, sparsity, seed).mask.clone()
+    rows = mask.shape[0]
+    if rows >= 2:
+        mask[0] = False
+        mask[rows // 2] = True
+    return VectorMask(mask, v)
+
+
+def random_ints(shape, bits: int, signed: bool = True, generator=None) -> torch.Tensor:
+    """Uniform integers over the whole range of the type, extremes included."""
+    lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1))) if signed else (0, 1 << bits)
+    return torch.randint(lo, hi, shape, generator=generator, dtype=torch.int64)
+
+
+def problem(bh, rows, k, v, sparsity, seed, shuffle=False):
+    """A pattern (stride 32, the ops' stride) with its dense element mask."""
+    mask = awkward_mask(rows * v, k, v, sparsity, seed)
+    return SRBCRS.from_mask(mask, stride=32, shuffle=shuffle), mask.to_dense()
+
+
+__all__ = ["SRBCRS", "awkward_mask", "random_ints", "to_container", "problem", "cuda"]

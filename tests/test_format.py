@@ -1,0 +1,120 @@
+"""SR-BCRS and vector masks: layout, round trips and validation."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from conftest import awkward_mask
+from magicube.ops import INT4_SHUFFLE, SRBCRS, VectorMask, random_vector_mask, vector_mask_from_dense
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 7), k=st.integers(1, 90), v=st.sampled_from([2, 4, 8]),
+       stride=st.sampled_from([8, 16, 32]), sparsity=st.floats(0, 1), seed=st.integers(0, 2**16),
+       shuffle=st.booleans(), bh=st.integers(1, 3))
+def test_round_trip(rows, k, v, stride, sparsity, seed, shuffle, bh):
+    mask = awkward_mask(rows * v, k, v, sparsity, seed)
+    p = SRBCRS.from_mask(mask, stride=stride, shuffle=shuffle)
+    dense = torch.randint(-100, 100, (bh, rows * v, k))
+    values = p.pack_values(dense)
+    assert values.shape == (bh, p.nnz_pad * v)
+    assert torch.equal(p.to_dense(values), dense * mask.to_dense())
+    assert torch.equal(p.vector_mask().mask, mask.mask)
+    # padded rows are multiples of the stride, pads are -1 and carry 0
+    starts, ends = p.row_ptr[0::2].long(), p.row_ptr[1::2].long()
+    padded = torch.diff(starts, append=starts.new_tensor([p.nnz_pad]))
+    assert torch.equal(ends - starts, mask.mask.sum(1))
+    assert bool((padded % stride == 0).all()) and bool((padded - (ends - starts) < stride).all())
+    assert int((p.col_idx == -1).sum()) == int((padded - (ends - starts)).sum())
+    _, col = p.element_coordinates()
+    assert bool((values[:, col < 0] == 0).all())
+    # row_order sorts vector rows by padded length, longest first
+    assert bool((padded[p.row_order.long()].diff() <= 0).all())
+
+
+def test_value_layout_is_row_major_inside_each_stride_block():
+    v, s = 4, 8
+    mask = VectorMask(torch.ones(1, 16, dtype=torch.bool), v)
+    p = SRBCRS.from_mask(mask, stride=s)
+    dense = torch.arange(4 * 16).reshape(1, 4, 16)
+    values = p.pack_values(dense)[0]
+    # block 0: rows 0..3 of columns 0..7, row-major; then block 1: columns 8..15
+    expected = torch.cat([dense[0, :, 0:8].reshape(-1), dense[0, :, 8:16].reshape(-1)])
+    assert torch.equal(values, expected)
+
+
+def test_int4_shuffle_permutes_slots_within_groups_of_eight():
+    mask = VectorMask(torch.ones(1, 32, dtype=torch.bool), 2)
+    plain = SRBCRS.from_mask(mask, stride=32)
+    shuffled = SRBCRS.from_mask(mask, stride=32, shuffle=True)
+    assert shuffled.col_idx[:8].tolist() == list(INT4_SHUFFLE)
+    assert torch.equal(shuffled.col_idx.view(-1, 8).sort(1).values, plain.col_idx.view(-1, 8))
+    dense = torch.randn(3, 2, 32)
+    assert torch.equal(shuffled.to_dense(shuffled.pack_values(dense)), dense)
+
+
+def test_random_mask_keeps_the_same_count_in_every_row_and_is_seeded():
+    a = random_vector_mask(64, 100, 8, 0.9, seed=3)
+    assert a.mask.shape == (8, 100)
+    assert a.mask.sum(1).tolist() == [10] * 8
+    assert torch.equal(a.mask, random_vector_mask(64, 100, 8, 0.9, seed=3).mask)
+    assert not torch.equal(a.mask, random_vector_mask(64, 100, 8, 0.9, seed=4).mask)
+
+
+def test_empty_and_full_masks():
+    for fill in (False, True):
+        mask = VectorMask(torch.full((3, 20), fill), 2)
+        p = SRBCRS.from_mask(mask)
+        dense = torch.randn(2, 6, 20)
+        assert torch.equal(p.to_dense(p.pack_values(dense)), dense * fill)
+    assert SRBCRS.from_mask(VectorMask(torch.zeros(3, 20, dtype=torch.bool), 2)).nnz_pad == 0
+
+
+def test_mask_from_dense_checks_whole_vectors():
+    dense = torch.zeros(8, 5, dtype=torch.bool)
+    dense[4:8, 2] = True
+    assert vector_mask_from_dense(dense, 4).mask.tolist() == [[False] * 5, [False, False, True, False, False]]
+    dense[5, 3] = True
+    with pytest.raises(ValueError, match=r"rows 4\.\.7 of column 3 are partly kept"):
+        vector_mask_from_dense(dense, 4)
+    with pytest.raises(ValueError, match="not a multiple of v=8"):
+        vector_mask_from_dense(torch.zeros(12, 3, dtype=torch.bool), 8)
+    with pytest.raises(ValueError, match="bool tensor"):
+        vector_mask_from_dense(torch.zeros(8, 3), 4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(m=64, k=10, v=3, sparsity=0.5), r"v: expected one of \(2, 4, 8\), got 3"),
+    (dict(m=60, k=10, v=8, sparsity=0.5), "m: expected a positive multiple of v=8, got 60"),
+    (dict(m=64, k=10, v=8, sparsity=1.5), r"sparsity: expected a fraction in \[0, 1\], got 1.5"),
+    (dict(m=64, k=0, v=8, sparsity=0.5), "k: expected a positive number of columns, got 0"),
+])
+def test_random_mask_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        random_vector_mask(**kwargs)
+
+
+def test_pattern_validation_names_the_bad_argument():
+    p = SRBCRS.from_mask(random_vector_mask(16, 40, 4, 0.5, 0))
+    fields = dict(m=p.m, k=p.k, v=p.v, stride=p.stride, row_ptr=p.row_ptr, col_idx=p.col_idx, row_order=p.row_order)
+    bad_col = p.col_idx.clone()
+    bad_col[0] = 40
+    cases = [
+        (dict(col_idx=bad_col), r"col_idx: entries must be -1 \(padding\) or columns in \[0, 40\)"),
+        (dict(col_idx=p.col_idx.long()), "col_idx: expected a 1-D int32 tensor"),
+        (dict(stride=12), r"stride: expected one of"),
+        (dict(v=5), r"v: expected one of"),
+        (dict(row_order=p.row_order.flip(0)[:-1]), "row_order: expected 4 entries"),
+        (dict(row_order=torch.zeros(4, dtype=torch.int32)), "row_order: expected a permutation"),
+        (dict(row_ptr=p.row_ptr + 1), "row_ptr: row starts must begin at 0"),
+        (dict(m=12), "row_ptr: expected 6 entries"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message):
+            SRBCRS(**{**fields, **change})
+    with pytest.raises(ValueError, match=r"stride: expected one of"):
+        SRBCRS.from_mask(random_vector_mask(16, 40, 4, 0.5, 0), stride=20)
+    with pytest.raises(ValueError, match=r"dense: expected shape \[\.\.\., 16, 40\]"):
+        p.pack_values(torch.zeros(16, 41))
+    with pytest.raises(ValueError, match="values: expected last dimension"):
+        p.to_dense(torch.zeros(3))

@@ -1,0 +1,139 @@
+"""Op registration: opcheck, torch.compile through the fake kernels, and the argument checks."""
+
+import pytest
+import torch
+
+from conftest import problem, random_ints
+from magicube.ops import sddmm, sparse_softmax, spmm, to_container
+
+
+def _spmm_args(a_bits=8, b_bits=8, a_signed=True, bh=2, rows=3, k=37, n=10, v=4, device="cpu"):
+    g = torch.Generator().manual_seed(1)
+    p, emask = problem(bh, rows, k, v, 0.5, 1)
+    a = to_container(p.pack_values(random_ints((bh, p.m, k), a_bits, a_signed, g)), a_bits, a_signed)
+    b = to_container(random_ints((bh, k, n), b_bits, True, g), b_bits)
+    sa, sb = torch.rand(bh, p.m) / 128, torch.rand(bh, n) / 128
+    args = (p.row_ptr, p.col_idx, p.row_order, a, b, sa, sb, v, p.m, a_bits, a_signed, b_bits, torch.float16)
+    return p, tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in args)
+
+
+def _sddmm_args(bits=8, bh=2, rows=3, k=37, d=12, v=4):
+    g = torch.Generator().manual_seed(2)
+    p, _ = problem(bh, rows, k, v, 0.5, 2)
+    a = to_container(random_ints((bh, p.m, d), bits, True, g), bits)
+    b = to_container(random_ints((bh, k, d), bits, True, g), bits)
+    return p, (p.row_ptr, p.col_idx, p.row_order, a, b, torch.rand(bh, p.m), torch.rand(bh, k), v, bits,
+               torch.float16)
+
+
+def _softmax_args(out_bits=8, bh=2, rows=3, k=37, v=4):
+    p, _ = problem(bh, rows, k, v, 0.5, 3)
+    return p, (p.row_ptr, p.col_idx, p.row_order, torch.randn(bh, p.nnz_pad * v).half(), v, 0.125, out_bits)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _spmm_args(), lambda: _spmm_args(4, 4), lambda: _spmm_args(16, 8, False), lambda: _spmm_args(12, 4),
+    lambda: _spmm_args(16, 16),
+])
+def test_opcheck_spmm(make):
+    _, args = make()
+    torch.library.opcheck(torch.ops.magicube.spmm.default, args)
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_opcheck_sddmm(bits):
+    _, args = _sddmm_args(bits)
+    torch.library.opcheck(torch.ops.magicube.sddmm.default, args)
+
+
+@pytest.mark.parametrize("out_bits", [0, 4, 8, 16])
+def test_opcheck_softmax(out_bits):
+    _, args = _softmax_args(out_bits)
+    torch.library.opcheck(torch.ops.magicube.sparse_softmax.default, args)
+
+
+def test_torch_compile_traces_the_pipeline():
+    p, args = _sddmm_args()
+    _, (*_, a, b, sa, sb, _, _, _) = None, args
+
+    def attention(a, b, vals):
+        s = sddmm(p, a, b, bits=8, scale_a=sa, scale_b=sb)
+        probs, rs = sparse_softmax(p, s, scale=0.25, out_bits=8)
+        return spmm(p, probs, vals, a_bits=8, a_signed=False, b_bits=8, scale_a=rs, scale_b=0.01)
+
+    vals = to_container(random_ints((2, p.k, 6), 8), 8)
+    compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(a, b, vals), attention(a, b, vals))
+
+
+def _replace(args, index, value):
+    return args[:index] + (value,) + args[index + 1:]
+
+
+def test_spmm_rejects_bad_inputs_with_messages():
+    p, args = _spmm_args()
+    op = torch.ops.magicube.spmm
+    cases = [
+        (3, args[3].to(torch.int16), r"a_values: expected dtype torch.int8, got torch.int16"),
+        (3, args[3][:, :-1].contiguous(), r"a_values: expected shape \(2, 384\)"),
+        (4, args[4].transpose(1, 2), r"b: expected .*contiguous"),
+        (4, args[4].float(), r"b: expected dtype torch.int8"),
+        (4, args[4][0], r"b: expected a 3-D tensor"),
+        (5, args[5][:, :-1].contiguous(), r"scale_a: expected shape \(2, 12\)"),
+        (6, args[6].double(), r"scale_b: expected dtype torch.float32"),
+        (7, 3, r"v: expected one of \(2, 4, 8\), got 3"),
+        (8, 16, r"m: expected \(M/V\)\*V = 12 rows"),
+        (9, 2, r"a_bits, b_bits: expected one of the pairs"),
+        (10, False, None),  # unsigned int8 needs a uint8 container
+        (12, torch.float32, r"out_dtype: expected torch.float16 \(dequantized\) or torch.int64"),
+        (0, args[0].long(), r"row_ptr: expected dtype torch.int32"),
+        (1, args[1][:-1], r"col_idx: the ops read patterns of stride 32"),
+        (2, args[2][:-1], r"row_order: expected shape \(3,\)"),
+    ]
+    for index, value, message in cases:
+        with pytest.raises(ValueError, match=message or r"a_values: expected dtype torch.uint8"):
+            op(*_replace(args, index, value))
+    with pytest.raises(ValueError, match="scale_a, scale_b: a float16 output of integer inputs needs both scales"):
+        op(*_replace(args, 5, None))
+    # the public wrapper checks what the raw op cannot know
+    with pytest.raises(ValueError, match=r"b: expected K = 37 rows"):
+        spmm(p, args[3], args[4][:, :-1], a_bits=8, b_bits=8, scale_a=1.0, scale_b=1.0)
+    with pytest.raises(ValueError, match=r"scale_a: expected a number, a 0-d tensor, \[BH=2\]"):
+        spmm(p, args[3], args[4], a_bits=8, b_bits=8, scale_a=torch.ones(5), scale_b=1.0)
+    with pytest.raises(ValueError, match="pattern: expected an SRBCRS"):
+        spmm(None, args[3], args[4])
+
+
+def test_sddmm_and_softmax_reject_bad_inputs_with_messages():
+    p, args = _sddmm_args()
+    op = torch.ops.magicube.sddmm
+    cases = [
+        (3, args[3][:, :-1].contiguous(), r"a: expected 12 rows \(M of the pattern\)"),
+        (4, args[4][:, :, :-1].contiguous(), r"b: expected shape \(2, N, 12\)"),
+        (8, 12, r"bits: expected one of \(8, 4, 16\), got 12"),
+        (4, args[4].half(), r"b: expected dtype torch.int8"),
+        (3, args[3].half(), r"b: fp16 a needs fp16 b"),
+    ]
+    for index, value, message in cases:
+        with pytest.raises(ValueError, match=message):
+            op(*_replace(args, index, value))
+    p, args = _softmax_args()
+    op = torch.ops.magicube.sparse_softmax
+    for index, value, message in [
+        (3, args[3].float(), "values: expected dtype torch.float16"),
+        (3, args[3][:, :-2].contiguous(), r"values: expected \[BH, nnz_pad\*V = 384\]"),
+        (6, 2, r"out_bits: expected one of \(0, 4, 8, 16\)"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            op(*_replace(args, index, value))
+    with pytest.raises(ValueError, match=r"pattern: the ops read SR-BCRS of stride 32, got stride 16"):
+        from magicube.ops import SRBCRS
+        sparse_softmax(SRBCRS.from_mask(p.vector_mask(), stride=16), args[3])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_mismatch_is_named():
+    _, args = _spmm_args()
+    with pytest.raises(ValueError, match=r"b: expected a tensor on cuda"):
+        torch.ops.magicube.spmm(*_replace(tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args), 4,
+                                          args[4]))

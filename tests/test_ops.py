@@ -1,0 +1,146 @@
+"""The registered ops on the CPU (the reference) against dense int64 / float64 computations."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from conftest import problem, random_ints
+from magicube.ops import (SDDMM_BITS, SPMM_PAIRS, absmax_scale, from_container, quantize, sddmm, sparse_softmax,
+                          spmm, to_container)
+
+V = st.sampled_from([2, 4, 8])
+SPMM_KINDS = [(a, b, True) for a, b in SPMM_PAIRS] + [(a, b, False) for a, b in SPMM_PAIRS if a != 12]
+shapes = dict(bh=st.integers(1, 3), rows=st.integers(1, 5), k=st.integers(1, 70), n=st.integers(1, 12),
+              sparsity=st.floats(0, 1), seed=st.integers(0, 2**16), shuffle=st.booleans())
+
+
+def _scales(bh, rows, cols, g, a_bits, b_bits):
+    """Scales of the size absmax quantization gives, so that the fp16 output stays finite."""
+    return ((torch.rand(bh, rows, generator=g) + 0.01) / 2 ** (a_bits - 1),
+            (torch.rand(bh, cols, generator=g) + 0.01) / 2 ** (b_bits - 1))
+
+
+def _dequantized(acc, sa, sb):
+    """DESIGN's definition: fp32(acc) * (scale_a * scale_b), one rounding to fp16."""
+    return (acc.to(torch.float32) * (sa[:, :, None] * sb[:, None, :])).to(torch.float16)
+
+
+@pytest.mark.parametrize("a_bits, b_bits, a_signed", SPMM_KINDS)
+@settings(max_examples=12, deadline=None)
+@given(v=V, **shapes)
+def test_spmm_integer_pairs(a_bits, b_bits, a_signed, v, bh, rows, k, n, sparsity, seed, shuffle):
+    g = torch.Generator().manual_seed(seed)
+    n += n % 2 if b_bits == 4 else 0
+    p, emask = problem(bh, rows, k, v, sparsity, seed, shuffle)
+    a = random_ints((bh, p.m, k), a_bits, a_signed, g) * emask
+    b = random_ints((bh, k, n), b_bits, True, g)
+    a_values = to_container(p.pack_values(a), a_bits, a_signed)
+    b_store = to_container(b, b_bits)
+    kw = dict(a_bits=a_bits, b_bits=b_bits, a_signed=a_signed)
+    acc = spmm(p, a_values, b_store, out_dtype=torch.int64, **kw)
+    assert acc.dtype == torch.int64 and torch.equal(acc, a @ b)
+    sa, sb = _scales(bh, p.m, n, g, a_bits, b_bits)
+    out = spmm(p, a_values, b_store, scale_a=sa, scale_b=sb, **kw)
+    assert out.dtype == torch.float16 and torch.equal(out, _dequantized(a @ b, sa, sb))
+    exact = (a.double() @ b.double()) * sa.double()[:, :, None] * sb.double()[:, None, :]
+    assert torch.allclose(out.double(), exact, rtol=2e-3, atol=1e-7)
+
+
+@settings(max_examples=30, deadline=None)
+@given(v=V, **shapes)
+def test_spmm_fp16(v, bh, rows, k, n, sparsity, seed, shuffle):
+    g = torch.Generator().manual_seed(seed)
+    p, emask = problem(bh, rows, k, v, sparsity, seed, shuffle)
+    a = torch.randn(bh, p.m, k, generator=g).half() * emask
+    b = torch.randn(bh, k, n, generator=g).half()
+    out = spmm(p, p.pack_values(a), b)
+    exact = a.double() @ b.double()
+    bound = (a.double().abs() @ b.double().abs()) * 2e-3 + 1e-3
+    assert out.dtype == torch.float16 and bool(((out.double() - exact).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("bits", SDDMM_BITS)
+@settings(max_examples=15, deadline=None)
+@given(v=V, **shapes)
+def test_sddmm_integer(bits, v, bh, rows, k, n, sparsity, seed, shuffle):
+    g = torch.Generator().manual_seed(seed)
+    d = 2 * n  # the reduction; int4 packs along it
+    p, emask = problem(bh, rows, k, v, sparsity, seed, shuffle)
+    a = random_ints((bh, p.m, d), bits, True, g)
+    b = random_ints((bh, k, d), bits, True, g)
+    ac, bc = to_container(a, bits), to_container(b, bits)
+    acc = sddmm(p, ac, bc, bits=bits, out_dtype=torch.int64)
+    assert torch.equal(p.to_dense(acc), (a @ b.transpose(1, 2)) * emask)
+    _, col = p.element_coordinates()
+    assert bool((acc[:, col < 0] == 0).all())
+    sa, sb = _scales(bh, p.m, k, g, bits, bits)
+    out = sddmm(p, ac, bc, bits=bits, scale_a=sa, scale_b=sb)
+    assert torch.equal(p.to_dense(out), _dequantized(a @ b.transpose(1, 2), sa, sb) * emask)
+
+
+@settings(max_examples=30, deadline=None)
+@given(v=V, **shapes)
+def test_sddmm_fp16(v, bh, rows, k, n, sparsity, seed, shuffle):
+    g = torch.Generator().manual_seed(seed)
+    p, emask = problem(bh, rows, k, v, sparsity, seed, shuffle)
+    a = torch.randn(bh, p.m, n, generator=g).half()
+    b = torch.randn(bh, k, n, generator=g).half()
+    out = p.to_dense(sddmm(p, a, b).double())
+    exact = (a.double() @ b.double().transpose(1, 2)) * emask
+    bound = (a.double().abs() @ b.double().abs().transpose(1, 2)) * 2e-3 + 1e-3
+    assert bool(((out - exact).abs() <= bound).all())
+
+
+def _softmax_dense(p, values, emask, scale):
+    x = p.to_dense(values.double()) * scale
+    x = x.masked_fill(~emask, float("-inf"))
+    return torch.softmax(x, -1).nan_to_num(0.0)
+
+
+@pytest.mark.parametrize("out_bits", [0, 16, 8, 4])
+@settings(max_examples=15, deadline=None)
+@given(v=V, **shapes)
+def test_sparse_softmax(out_bits, v, bh, rows, k, n, sparsity, seed, shuffle):
+    g = torch.Generator().manual_seed(seed)
+    p, emask = problem(bh, rows, k, v, sparsity, seed, shuffle)
+    values = (torch.randn(bh, p.nnz_pad * v, generator=g) * 4).half()
+    scale = 1 / math.sqrt(2 * n)
+    probs, row_scale = sparse_softmax(p, values, scale=scale, out_bits=out_bits)
+    expected = _softmax_dense(p, values, emask, scale)
+    _, col = p.element_coordinates()
+    empty = ~emask.any(-1).expand(bh, -1)
+    if out_bits == 0:
+        got = p.to_dense(probs.double())
+        assert bool((probs[:, col < 0] == 0).all())
+        assert torch.allclose(got, expected, atol=1e-3, rtol=1e-3)
+        return
+    q = from_container(probs, out_bits, signed=False)
+    qmax = (1 << out_bits) - 1
+    assert bool(((q >= 0) & (q <= qmax)).all())
+    assert bool((q[:, col < 0] == 0).all())
+    got = p.to_dense(q.double()) * row_scale.double()[..., None]
+    # per-row absmax quantization: half a step of the row's largest probability
+    step = expected.amax(-1, keepdim=True) / qmax
+    assert bool(((got - expected).abs() <= step / 2 + 1e-6).all())
+    # the row's largest probability maps to qmax exactly; empty rows give zero scale
+    has = ~empty
+    assert bool((p.to_dense(q).amax(-1)[has] == qmax).all())
+    assert bool((row_scale[empty] == 0).all()) and not bool(row_scale.isnan().any())
+
+
+def test_quantized_attention_pipeline_matches_fp64_attention():
+    """sddmm -> softmax -> spmm through the ops, 8b-8b, against fp64 masked attention."""
+    g = torch.Generator().manual_seed(0)
+    bh, length, d, v = 2, 64, 16, 4
+    p, emask = problem(bh, length // v, length, v, 0.5, 0)
+    q, k, val = (torch.randn(bh, length, d, generator=g) for _ in range(3))
+    sq, sk, sv = (absmax_scale(t, 8, dim=(1, 2)).reshape(bh) for t in (q, k, val))
+    qq, kq, vq = (to_container(quantize(t, s[:, None, None], 8), 8) for t, s in ((q, sq), (k, sk), (val, sv)))
+    scores = sddmm(p, qq, kq, bits=8, scale_a=sq, scale_b=sk)
+    probs, row_scale = sparse_softmax(p, scores, scale=d ** -0.5, out_bits=8)
+    out = spmm(p, probs, vq, a_bits=8, a_signed=False, b_bits=8, scale_a=row_scale, scale_b=sv)
+    att = (q.double() @ k.double().transpose(1, 2) * d ** -0.5).masked_fill(~emask, float("-inf"))
+    ref = torch.softmax(att, -1).nan_to_num(0.0) @ val.double()
+    assert (out.double() - ref).norm() / ref.norm() < 0.05

@@ -1,0 +1,95 @@
+"""Quantization semantics: rounding, saturation, scales, containers, int4 packing, bit planes."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from conftest import random_ints
+from magicube.ops import (absmax_scale, combine_planes, container_dtype, from_container, pack_int4, qrange,
+                          quantize, split_planes, to_container, unpack_int4)
+
+KINDS = [(16, True), (12, True), (8, True), (4, True), (16, False), (8, False), (4, False)]
+
+
+def test_ranges():
+    assert qrange(8) == (-128, 127) and qrange(4) == (-8, 7) and qrange(12) == (-2048, 2047)
+    assert qrange(16, signed=False) == (0, 65535) and qrange(4, signed=False) == (0, 15)
+    with pytest.raises(ValueError, match="bits: expected one of"):
+        qrange(12, signed=False)
+    with pytest.raises(ValueError, match=r"bits: expected one of \(4, 8, 12, 16\) for signed data, got 3"):
+        qrange(3)
+
+
+def test_round_half_to_even_and_saturate():
+    x = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 127.5, 1000.0, -1000.0])
+    assert quantize(x, 1.0, 8).tolist() == [0, 2, 2, 0, -2, -2, 126, 127, 127, -128]
+    assert quantize(torch.tensor([-3.0, 300.0, 17.5]), 1.0, 8, signed=False).tolist() == [0, 255, 18]
+    assert quantize(torch.tensor([7.5, -8.5, 8.49]), 1.0, 4).tolist() == [7, -8, 7]
+
+
+def test_quantize_divides_in_fp32():
+    x = torch.tensor([1.0, 3.0, 10.0])
+    scale = torch.tensor(0.1)
+    assert quantize(x, scale, 8).tolist() == torch.round(x / scale).tolist()
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits_signed=st.sampled_from(KINDS), shape=st.tuples(st.integers(1, 4), st.integers(1, 9)),
+       seed=st.integers(0, 2**16))
+def test_absmax_scale_maps_the_absmax_to_qmax(bits_signed, shape, seed):
+    bits, signed = bits_signed
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape[0], shape[1] * 2, generator=g) * 10
+    if not signed:
+        x = x.abs()
+    qmin, qmax = qrange(bits, signed)
+    for dim in (None, -1):
+        scale = absmax_scale(x, bits, signed, dim=dim)
+        q = quantize(x, scale, bits, signed)
+        assert int(q.abs().max()) == qmax
+        assert int(q.min()) >= qmin
+        # dequantization error at most half a step
+        assert bool(((q.float() * scale - x).abs() <= scale / 2 + 1e-6 * x.abs()).all())
+
+
+def test_zero_tensor_gets_scale_one():
+    assert absmax_scale(torch.zeros(3, 4), 8).item() == 1.0
+    assert absmax_scale(torch.zeros(3, 4), 8, dim=-1).tolist() == [[1.0]] * 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits_signed=st.sampled_from(KINDS), n=st.integers(1, 20), seed=st.integers(0, 2**16))
+def test_containers_round_trip(bits_signed, n, seed):
+    bits, signed = bits_signed
+    q = random_ints((3, 2 * n), bits, signed, torch.Generator().manual_seed(seed))
+    c = to_container(q, bits, signed)
+    assert c.dtype == container_dtype(bits, signed)
+    assert c.shape[-1] == (n if bits == 4 else 2 * n)
+    assert torch.equal(from_container(c, bits, signed), q)
+
+
+def test_container_layouts():
+    assert pack_int4(torch.tensor([1, -1, -8, 7])).tolist() == [0xF1, 0x78]
+    assert unpack_int4(torch.tensor([0xF1], dtype=torch.uint8)).tolist() == [1, -1]
+    assert unpack_int4(torch.tensor([0xF1], dtype=torch.uint8), signed=False).tolist() == [1, 15]
+    u16 = to_container(torch.tensor([0, 1, 32767, 32768, 65535]), 16, signed=False)
+    assert u16.dtype == torch.int16 and u16.tolist() == [0, 1, 32767, -32768, -1]
+    with pytest.raises(ValueError, match=r"values outside \[-8, 7\]"):
+        to_container(torch.tensor([8, 0]), 4)
+    with pytest.raises(ValueError, match="even last dimension"):
+        pack_int4(torch.tensor([1, 2, 3]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits=st.sampled_from([16, 12, 8]), signed=st.booleans(), seed=st.integers(0, 2**16))
+def test_bit_planes(bits, signed, seed):
+    if bits == 12 and not signed:
+        return
+    q = random_ints((50,), bits, signed, torch.Generator().manual_seed(seed))
+    plane_bits = 4 if bits == 12 else 8 if bits == 16 else 4
+    planes = split_planes(q, plane_bits, bits // plane_bits)
+    for low in planes[1:]:
+        assert int(low.min()) >= 0 and int(low.max()) < (1 << plane_bits)
+    hi_min, hi_max = qrange(plane_bits, signed) if signed else (0, (1 << plane_bits) - 1)
+    assert hi_min <= int(planes[0].min()) and int(planes[0].max()) <= hi_max
+    assert torch.equal(combine_planes(planes, plane_bits), q)
