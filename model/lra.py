@@ -1,0 +1,215 @@
+"""The Long Range Arena Transformer classifier with dense, sparse and quantized sparse attention.
+
+    ids -> token embedding (+ CLS) + sinusoidal positions -> N x pre-LN block -> LN -> pool -> head
+
+One block: x + Attn(LN(x)), then x + MLP(LN(x)) with GELU. Attention backends (config.attention):
+
+    dense    softmax(QK^T / sqrt(d)) V through scaled_dot_product_attention, no mask
+    sparse   the same restricted to the layer's V x 1 vector mask, in fp16:
+             magicube.ops.sddmm -> sparse_softmax -> spmm
+    16b-8b   Q, K, V in 8 bits (absmax per batch x head), probabilities in unsigned 16 bits
+    8b-8b    Q, K, V in 8 bits, probabilities in 8 bits
+    8b-4b    Q, K, V in 4 bits, probabilities in 8 bits  ("softmax bits - QKV bits")
+
+The ops have no backward, so whenever gradients are needed the sparse backend runs the
+same function as masked dense attention (scores outside the mask at -inf). Padding tokens
+are not masked out: the mask is shared by the whole batch, as the kernels require.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import SequenceClassifierOutput
+
+from magicube import ops
+from magicube.model.masks import KINDS, layer_mask
+
+# backend -> (softmax output bits, Q/K/V bits)
+QUANTIZED = {"16b-8b": (16, 8), "8b-8b": (8, 8), "8b-4b": (8, 4)}
+BACKENDS = ("dense", "sparse", *QUANTIZED)
+SPARSE_IMPLS = ("auto", "ops", "masked")
+POOLS = ("cls", "mean")
+
+
+class LRAConfig(PretrainedConfig):
+    model_type = "magicube_lra"
+
+    def __init__(self, vocab_size=257, num_classes=2, max_len=4096, emb_dim=256, num_heads=4, num_layers=4,
+                 mlp_dim=1024, dropout=0.1, attention_dropout=0.1, pool="cls", attention="dense",
+                 sparse_impl="auto", mask_kind="random", sparsity=0.9, v=8, mask_seed=0, window=32, **kwargs):
+        self.vocab_size, self.num_classes, self.max_len = vocab_size, num_classes, max_len
+        self.emb_dim, self.num_heads, self.num_layers, self.mlp_dim = emb_dim, num_heads, num_layers, mlp_dim
+        self.dropout, self.attention_dropout, self.pool = dropout, attention_dropout, pool
+        self.attention, self.sparse_impl = attention, sparse_impl
+        self.mask_kind, self.sparsity, self.v, self.mask_seed, self.window = mask_kind, sparsity, v, mask_seed, window
+        super().__init__(**kwargs)
+        self.validate_lra()
+
+    def validate_lra(self):
+        for name, value, allowed in (("attention", self.attention, BACKENDS), ("pool", self.pool, POOLS),
+                                     ("sparse_impl", self.sparse_impl, SPARSE_IMPLS),
+                                     ("mask_kind", self.mask_kind, KINDS)):
+            if value not in allowed:
+                raise ValueError(f"{name}: expected one of {allowed}, got {value!r}")
+        if self.emb_dim % self.num_heads:
+            raise ValueError(f"emb_dim {self.emb_dim} is not a multiple of num_heads {self.num_heads}")
+        if self.max_len % self.v:
+            raise ValueError(f"max_len {self.max_len} (the attention length, CLS included) is not a multiple "
+                             f"of the vector length v={self.v}")
+
+    @property
+    def input_len(self) -> int:
+        """Tokens of data per example: the attention length less the CLS slot."""
+        return self.max_len - (self.pool == "cls")
+
+
+def sinusoidal_positions(length: int, dim: int, device=None) -> torch.Tensor:
+    pos = torch.arange(length, device=device, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, dim, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    pe = torch.zeros(length, dim, device=device)
+    pe[:, 0::2] = torch.sin(pos * freq)
+    pe[:, 1::2] = torch.cos(pos * freq)
+    return pe
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LRAConfig, layer: int):
+        super().__init__()
+        self.config, self.h = config, config.num_heads
+        self.qkv = nn.Linear(config.emb_dim, 3 * config.emb_dim)
+        self.proj = nn.Linear(config.emb_dim, config.emb_dim)
+        self.drop = nn.Dropout(config.dropout)
+        m = layer_mask(config.mask_kind, config.max_len, config.v, config.sparsity,
+                       seed=config.mask_seed + layer, window=config.window)
+        # Saved with the weights, so a checkpoint carries the exact pattern it was trained with.
+        self.register_buffer("mask", m.mask, persistent=True)
+        self._patterns: dict[torch.device, ops.SRBCRS] = {}
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._patterns.clear()
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def pattern(self, device) -> ops.SRBCRS:
+        if device not in self._patterns:
+            vm = ops.VectorMask(self.mask.detach().cpu(), self.config.v)
+            self._patterns[device] = ops.SRBCRS.from_mask(vm, stride=32).to(device)
+        return self._patterns[device]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, E = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, E // self.h).permute(2, 0, 3, 1, 4)  # 3 x [B, H, T, d]
+        backend, impl = self.config.attention, self.config.sparse_impl
+        p_drop = self.config.attention_dropout if self.training else 0.0
+        needs_grad = torch.is_grad_enabled() and x.requires_grad
+        if backend == "dense":
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p_drop)
+        elif backend == "sparse" and (impl == "masked" or (impl == "auto" and needs_grad)):
+            y = self.masked(q, k, v, p_drop)
+        elif needs_grad:
+            raise RuntimeError(f"attention {backend!r} (sparse_impl {impl!r}) runs through the magicube ops, "
+                               "which have no backward; train with 'dense' or 'sparse' and evaluate with it")
+        else:
+            y = self.sparse_ops(q, k, v).to(x.dtype)
+        return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, E)))
+
+    def masked(self, q, k, v, p_drop: float) -> torch.Tensor:
+        """Masked dense attention: the sparse function, differentiable."""
+        keep = self.mask.repeat_interleave(self.config.v, dim=0)  # [T, T]
+        empty = ~keep.any(dim=1)
+        # An empty row would be softmax over nothing (NaN): let it see everything, then zero it.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep | empty[:, None], dropout_p=p_drop)
+        return y.masked_fill(empty[:, None], 0.0)
+
+    def sparse_ops(self, q, k, v) -> torch.Tensor:
+        B, H, T, d = q.shape
+        pat = self.pattern(q.device)
+        q, k, v = (t.reshape(B * H, T, d) for t in (q, k, v))
+        if self.config.attention == "sparse":
+            s = ops.sddmm(pat, q.half(), k.half(), bits=16)
+            p, _ = ops.sparse_softmax(pat, s, scale=d ** -0.5, out_bits=0)
+            y = ops.spmm(pat, p, v.half(), a_bits=16, b_bits=16)
+        else:
+            p_bits, bits = QUANTIZED[self.config.attention]
+            (qq, sq), (kq, sk), (vq, sv) = (self.quantize(t, bits) for t in (q, k, v))
+            s = ops.sddmm(pat, qq, kq, bits=bits, scale_a=sq, scale_b=sk)
+            p, row_scale = ops.sparse_softmax(pat, s, scale=d ** -0.5, out_bits=p_bits)
+            y = ops.spmm(pat, p, vq, a_bits=p_bits, a_signed=False, b_bits=bits, scale_a=row_scale, scale_b=sv)
+        return y.view(B, H, T, d)
+
+    @staticmethod
+    def quantize(t: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Symmetric absmax quantization per (batch x head): (container, fp32 scale [BH])."""
+        scale = ops.absmax_scale(t, bits, dim=(1, 2))
+        return ops.quantize_to_container(t, scale, bits), scale.view(-1)
+
+
+class Block(nn.Module):
+    def __init__(self, config: LRAConfig, layer: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(config.emb_dim), nn.LayerNorm(config.emb_dim)
+        self.attn = Attention(config, layer)
+        self.mlp = nn.Sequential(nn.Linear(config.emb_dim, config.mlp_dim), nn.GELU(), nn.Dropout(config.dropout),
+                                 nn.Linear(config.mlp_dim, config.emb_dim), nn.Dropout(config.dropout))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class LRAPreTrainedModel(PreTrainedModel):
+    config_class = LRAConfig
+    base_model_prefix = "lra"
+    main_input_name = "input_ids"
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=1.0)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, LRAClassifier):
+            nn.init.normal_(module.cls, std=1.0)
+
+
+class LRAClassifier(LRAPreTrainedModel):
+    def __init__(self, config: LRAConfig):
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.emb_dim)
+        self.cls = nn.Parameter(torch.zeros(config.emb_dim))
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.ln_f = nn.LayerNorm(config.emb_dim)
+        self.head = nn.Sequential(nn.Linear(config.emb_dim, config.mlp_dim), nn.ReLU(),
+                                  nn.Linear(config.mlp_dim, config.num_classes))
+        self.post_init()
+
+    def set_attention(self, backend: str, sparse_impl: str | None = None):
+        """Switch every layer's attention backend (the weights and masks are shared by all)."""
+        self.config.attention = backend
+        if sparse_impl is not None:
+            self.config.sparse_impl = sparse_impl
+        self.config.validate_lra()
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> SequenceClassifierOutput:
+        c = self.config
+        if input_ids.shape[1] > c.input_len:
+            raise ValueError(f"input_ids: {input_ids.shape[1]} tokens, the model takes at most {c.input_len}")
+        # The masks are built for exactly max_len positions: pad shorter inputs.
+        input_ids = F.pad(input_ids.long(), (0, c.input_len - input_ids.shape[1]))
+        x = self.embed(input_ids)
+        if c.pool == "cls":
+            x = torch.cat([self.cls.to(x.dtype).expand(x.shape[0], 1, -1), x], dim=1)
+        x = self.drop(x + sinusoidal_positions(c.max_len, c.emb_dim, x.device).to(x.dtype))
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)
+        logits = self.head(x[:, 0] if c.pool == "cls" else x.mean(dim=1))
+        loss = F.cross_entropy(logits.float(), labels) if labels is not None else None
+        return SequenceClassifierOutput(loss=loss, logits=logits)

@@ -1,0 +1,121 @@
+"""Task data as `datasets` tables: encoded once, cached as Arrow, handed to training as tensors.
+
+`data` config keys: task ("text" | "listops"), path (IMDB archive/folder, or the folder of
+ListOps TSVs), cache_dir, limit (first N examples per split, for quick runs), and for ListOps
+`generate` (a ListOpsSpec as a dict) with `auto_generate` (write the TSVs when missing).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import imdb, listops
+
+NUM_CLASSES = {"text": 2, "listops": 10}
+VOCAB_SIZE = {"text": 257, "listops": len(listops.VOCAB)}
+EVAL_SPLIT = {"text": "test", "listops": "val"}  # LRA text has no validation split
+CACHE_VERSION = 1
+
+
+def listops_spec(cfg: dict) -> listops.ListOpsSpec:
+    return listops.ListOpsSpec(**(cfg.get("generate") or {}))
+
+
+def prepare_listops(cfg: dict) -> Path:
+    """The ListOps folder; generated from cfg['generate'] when missing and auto_generate is set."""
+    directory = Path(cfg.get("path") or "data/listops")
+    missing = [s for s in listops.SPLITS if not listops.tsv_path(directory, s).is_file()]
+    if missing and cfg.get("auto_generate"):
+        listops.write_splits(directory, listops_spec(cfg))
+    return directory
+
+
+def _fingerprint(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _stat(p: Path) -> list:
+    if p.is_dir():
+        return [str(p.resolve())]
+    st = p.stat()
+    return [str(p.resolve()), st.st_size, st.st_mtime_ns]
+
+
+def _encode_batch(length: int, encode):
+    def fn(batch):
+        col = "text" if "text" in batch else "source"
+        ids = np.zeros((len(batch[col]), length), dtype=np.int16)
+        for i, x in enumerate(batch[col]):
+            ids[i] = encode(x, length)
+        return {"input_ids": ids}
+    return fn
+
+
+def _text_encode(text: bytes, length: int) -> np.ndarray:
+    ids = np.frombuffer(text[:length], dtype=np.uint8).astype(np.int16) + 1
+    return np.pad(ids, (0, length - len(ids)))
+
+
+def build_datasets(cfg: dict, length: int):
+    """{split: datasets.Dataset with columns input_ids (int16, `length` wide) and label}."""
+    import datasets
+
+    task = cfg["task"]
+    if task not in NUM_CLASSES:
+        raise ValueError(f"data.task must be one of {sorted(NUM_CLASSES)}, got {task!r}")
+    limit = cfg.get("limit")
+    if task == "text":
+        src = imdb.find_imdb(cfg.get("path"))
+        splits, key_src = imdb.SPLITS, _stat(src)
+    else:
+        src = prepare_listops(cfg)
+        splits = listops.SPLITS
+        key_src = [_stat(listops.tsv_path(src, s)) if listops.tsv_path(src, s).is_file() else None
+                   for s in splits]
+    cache = Path(cfg.get("cache_dir") or "runs/cache") / f"{task}-{length}-" \
+        f"{_fingerprint(CACHE_VERSION, task, key_src, length, limit)}"
+    if (cache / "done").is_file():
+        return {s: datasets.load_from_disk(str(cache / s)) for s in splits}
+
+    if task == "text":
+        raw = imdb.read_imdb(src)
+        tables = {s: {"text": raw[s]["text"], "label": raw[s]["label"]} for s in splits}
+        encode = _text_encode
+    else:
+        tables = {}
+        for s in splits:
+            sources, targets = listops.read_tsv(listops.tsv_path(src, s))
+            tables[s] = {"source": sources, "label": targets}
+        encode = listops.encode
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int16"), length=length),
+                                  "label": datasets.Value("int64")})
+    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    datasets.disable_progress_bars()
+    for s in splits:
+        t = tables[s] if limit is None else {k: v[:limit] for k, v in tables[s].items()}
+        ds = datasets.Dataset.from_dict(t)
+        ds = ds.map(_encode_batch(length, encode), batched=True, batch_size=1000,
+                    remove_columns=[c for c in ds.column_names if c != "label"], features=features)
+        ds.save_to_disk(str(tmp / s))
+    datasets.enable_progress_bars()
+    (tmp / "done").write_text(json.dumps({"task": task, "length": length, "limit": limit}))
+    shutil.rmtree(cache, ignore_errors=True)
+    os.replace(tmp, cache)
+    return {s: datasets.load_from_disk(str(cache / s)) for s in splits}
+
+
+def load_tensors(cfg: dict, length: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{split: (input_ids int16 [N, length], labels int64 [N])}, held in memory."""
+    out = {}
+    for split, ds in build_datasets(cfg, length).items():
+        t = ds.with_format("torch")[:]
+        out[split] = (t["input_ids"].to(torch.int16), t["label"].to(torch.int64))
+    return out

@@ -1,0 +1,274 @@
+"""Training of the LRA classifier from one YAML config, resumable after any interruption.
+
+Batches are a pure function of (seed, step): step s reads slice s of a per-epoch permutation,
+and the dropout generator is re-seeded from (seed, step, rank) every step. A resumed run
+therefore continues exactly where the interrupted one stood, given the weights, optimizer,
+scheduler (and loss scaler) state in the last checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+from transformers.utils import logging as hf_logging
+
+from magicube.model.lra import LRAClassifier, LRAConfig
+from magicube.train import data as data_mod
+from magicube.train.config import dump_config
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+
+
+def model_config(cfg: dict) -> LRAConfig:
+    task = cfg["data"]["task"]
+    return LRAConfig(vocab_size=data_mod.VOCAB_SIZE[task], num_classes=data_mod.NUM_CLASSES[task],
+                     **cfg.get("model", {}))
+
+
+def lra_lr_lambda(warmup: int):
+    """LRA's `constant * linear_warmup * rsqrt_decay`, as a factor of the base lr (step counts from 1)."""
+    def factor(step: int) -> float:
+        s = step + 1
+        return min(1.0, s / warmup) / math.sqrt(max(s, warmup))
+    return factor
+
+
+def batch_indices(step: int, n: int, batch_size: int, seed: int) -> torch.Tensor:
+    per_epoch = n // batch_size
+    if per_epoch == 0:
+        raise ValueError(f"batch size {batch_size} exceeds the {n} training examples")
+    epoch, i = divmod(step, per_epoch)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return perm[i * batch_size:(i + 1) * batch_size]
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    return (seed * 1_000_003 + step) * 1_009 + rank
+
+
+# ---- checkpoints -------------------------------------------------------------------------
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint (a directory is complete once renamed into place)."""
+    root = Path(out_dir) / CHECKPOINTS
+    pointer = root / LATEST
+    if pointer.is_file():
+        p = root / pointer.read_text().strip()
+        if (p / "state.json").is_file():
+            return p
+    done = sorted(p for p in root.glob("step_*") if p.is_dir() and (p / "state.json").is_file())
+    return done[-1] if done else None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, accelerator, cfg: dict,
+                    keep: int | None) -> Path:
+    """Write everything to a temporary directory, then rename it into place: never half a checkpoint."""
+    root = out_dir / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:07d}"
+    tmp = root / f".tmp_step_{step:07d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one file: a bar per checkpoint only clutters the training bar
+    try:
+        accelerator.unwrap_model(model).save_pretrained(tmp, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    if accelerator.scaler is not None:
+        torch.save(accelerator.scaler.state_dict(), tmp / "scaler.pt")
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    rng = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+           "numpy": [torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss]}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, tmp / "rng.pt")
+    dump_config(cfg, tmp / "run_config.yaml")
+    (tmp / "state.json").write_text(json.dumps({"step": step}))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _write_atomic(root / LATEST, final.name)
+    if keep:
+        for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, model, optimizer, scheduler, accelerator) -> int:
+    from safetensors.torch import load_file
+
+    state = load_file(path / "model.safetensors", device="cpu")
+    accelerator.unwrap_model(model).load_state_dict(state)
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    if accelerator.scaler is not None and (path / "scaler.pt").is_file():
+        accelerator.scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
+    rng = torch.load(path / "rng.pt", weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    random.setstate((3, tuple(rng["python"]), None))
+    keys, pos, has_gauss, gauss = rng["numpy"]
+    np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return json.loads((path / "state.json").read_text())["step"]
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records an interrupted run logged after the checkpoint it resumes from."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    _write_atomic(path, "".join(line + "\n" for line in keep))
+
+
+# ---- evaluation --------------------------------------------------------------------------
+
+@torch.no_grad()
+def accuracy(model, ids: torch.Tensor, labels: torch.Tensor, batch_size: int, accelerator: Accelerator,
+             max_batches: int | None = None, progress: bool = False, desc: str = "eval") -> dict:
+    """Accuracy and mean loss over (a prefix of) a split, sharded over the processes."""
+    was_training = model.training
+    model.eval()
+    n = len(labels) if max_batches is None else min(len(labels), max_batches * batch_size)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # correct, loss sum, count
+    starts = range(rank * batch_size, n, world * batch_size)
+    for start in tqdm(starts, desc=desc, disable=not progress or not accelerator.is_main_process, leave=False):
+        x = ids[start:start + batch_size].to(accelerator.device)
+        y = labels[start:start + batch_size].to(accelerator.device)
+        with accelerator.autocast():
+            logits = model(x).logits.float()
+        totals += torch.stack([(logits.argmax(-1) == y).sum().double(),
+                               torch.nn.functional.cross_entropy(logits, y, reduction="sum").double(),
+                               torch.tensor(float(len(y)), dtype=torch.float64, device=totals.device)])
+    totals = accelerator.reduce(totals, reduction="sum")
+    model.train(was_training)
+    correct, loss, count = totals.tolist()
+    return {"accuracy": correct / max(count, 1), "loss": loss / max(count, 1), "examples": int(count)}
+
+
+# ---- training ----------------------------------------------------------------------------
+
+def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int | None = None) -> dict:
+    """Train as the config says; returns a summary. `stop_after` ends early (as an interruption would)."""
+    tc = cfg["train"]
+    seed = int(cfg.get("seed", 0))
+    out_dir = Path(cfg.get("out_dir") or f"runs/{cfg.get('name', 'run')}")
+    accelerator = Accelerator(mixed_precision=tc.get("mixed_precision", "no"), cpu=bool(tc.get("cpu", False)))
+    main = accelerator.is_main_process
+    if main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, out_dir / "config.yaml")
+
+    torch.manual_seed(seed)  # weight initialization
+    mcfg = model_config(cfg)
+    with accelerator.main_process_first():
+        splits = data_mod.load_tensors(cfg["data"], mcfg.input_len)
+    train_ids, train_labels = splits["train"]
+    eval_ids, eval_labels = splits[data_mod.EVAL_SPLIT[cfg["data"]["task"]]]
+
+    model = LRAClassifier(mcfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=float(tc["lr"]), betas=tuple(tc.get("betas", (0.9, 0.98))),
+                                  eps=float(tc.get("eps", 1e-9)), weight_decay=float(tc.get("weight_decay", 0.0)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lra_lr_lambda(int(tc["warmup"])))
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    start = 0
+    ckpt = latest_checkpoint(out_dir) if resume else None
+    if ckpt is not None:
+        start = load_checkpoint(ckpt, model, optimizer, scheduler, accelerator)
+        accelerator.print(f"resuming from {ckpt} (step {start})")
+    metrics_path = out_dir / "metrics.jsonl"
+    if main:
+        if start:
+            _truncate_metrics(metrics_path, start)
+        elif metrics_path.exists():
+            metrics_path.unlink()
+
+    steps, bs = int(tc["steps"]), int(tc["batch_size"])
+    world, rank = accelerator.num_processes, accelerator.process_index
+    if bs % world:
+        raise ValueError(f"train.batch_size {bs} is not divisible by the {world} processes")
+    log_every, eval_every = int(tc.get("log_every", 10)), int(tc.get("eval_every", 0) or 0)
+    ckpt_every = int(tc.get("checkpoint_every", 0) or 0)
+    eval_bs = int(tc.get("eval_batch_size", bs))
+    eval_batches = tc.get("eval_batches")
+    grad_clip = tc.get("grad_clip")
+    # The ops serve inference; evaluation during training runs the same function as training.
+    eval_impl = "masked" if mcfg.attention == "sparse" else None
+
+    def log(record: dict):
+        if main:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def evaluate_now(step: int) -> dict:
+        net = accelerator.unwrap_model(model)
+        saved = net.config.sparse_impl
+        if eval_impl:
+            net.config.sparse_impl = eval_impl
+        r = accuracy(model, eval_ids, eval_labels, eval_bs, accelerator, eval_batches)
+        net.config.sparse_impl = saved
+        log({"step": step, "eval_accuracy": r["accuracy"], "eval_loss": r["loss"], "eval_examples": r["examples"]})
+        return r
+
+    model.train()
+    bar = tqdm(total=steps, initial=start, desc=cfg.get("name", "train"), disable=not (progress and main),
+               dynamic_ncols=True)
+    last_eval, window, t0 = None, [], time.time()
+    step = start
+    while step < steps:
+        torch.manual_seed(step_seed(seed, step, rank))
+        idx = batch_indices(step, len(train_labels), bs, seed)[rank::world]
+        x, y = train_ids[idx].to(accelerator.device), train_labels[idx].to(accelerator.device)
+        with accelerator.autocast():
+            out = model(x, labels=y)
+        accelerator.backward(out.loss)
+        if grad_clip:
+            accelerator.clip_grad_norm_(model.parameters(), float(grad_clip))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        window.append((out.loss.item(), (out.logits.argmax(-1) == y).float().mean().item()))
+        if step % log_every == 0 or step == steps:
+            loss, acc = (sum(v) / len(window) for v in zip(*window))
+            log({"step": step, "loss": loss, "accuracy": acc, "lr": scheduler.get_last_lr()[0],
+                 "elapsed_s": round(time.time() - t0, 3)})
+            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.3f}",
+                            **({"eval": f"{last_eval:.3f}"} if last_eval is not None else {}))
+            window = []
+        if (eval_every and step % eval_every == 0) or step == steps:
+            last_eval = evaluate_now(step)["accuracy"]
+            bar.set_postfix(loss=f"{out.loss.item():.3f}", eval=f"{last_eval:.3f}")
+        if (ckpt_every and step % ckpt_every == 0) or step == steps:
+            accelerator.wait_for_everyone()
+            if main:
+                save_checkpoint(out_dir, step, model, optimizer, scheduler, accelerator, cfg,
+                                tc.get("keep_checkpoints"))
+            accelerator.wait_for_everyone()
+        bar.update(1)
+        if stop_after is not None and step >= stop_after:
+            break
+    bar.close()
+    return {"out_dir": str(out_dir), "step": step, "eval_accuracy": last_eval,
+            "checkpoint": str(latest_checkpoint(out_dir)), "seconds": round(time.time() - t0, 2)}
