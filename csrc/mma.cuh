@@ -1,0 +1,95 @@
+// Tensor-core and data-movement primitives shared by the Magicube kernels (PTX wrappers).
+//
+// Hopper has no int4 tensor cores (ptxas lowers int4 mma.sync to int8 IMMA plus unpacking, and
+// wgmma rejects int4), and the int8 m16n8k32 shape runs at 2.7x the paper's m8n8k16. So every
+// integer product here is an m16n8k32 on 8-bit operands: 16-bit data is split into bit planes
+// (signed high byte, unsigned low byte) and 4-bit data is widened in registers.
+#pragma once
+
+#include <cstdint>
+#include <cuda_fp16.h>
+
+namespace magicube {
+
+// ---------------------------------------------------------------------------------------------
+// Shared memory and asynchronous copies.
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global->shared copy that zero-fills the bytes past `src_bytes` (0 reads nothing).
+// .ca keeps the line in L1: gathered dense rows are re-read by other vector rows of the CTAs
+// resident on the same SM.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Four 8x8 b16 matrices, transposed on the way: lane l gets rows 2(l%4), 2(l%4)+1 of column
+// l/4 of matrix j in register j. On 8-bit data this is a transpose of byte pairs, finished by
+// one byte permute per register (see transpose_pairs).
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                              uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// Byte-pair transpose completion: x = [a(r0,c0) a(r0,c1) a(r1,c0) a(r1,c1)],
+// y = [a(r2,c0) a(r2,c1) a(r3,c0) a(r3,c1)]  ->  column c0 over rows r0..r3, and column c1.
+__device__ __forceinline__ uint32_t even_bytes(uint32_t x, uint32_t y) { return prmt(x, y, 0x6420); }
+__device__ __forceinline__ uint32_t odd_bytes(uint32_t x, uint32_t y) { return prmt(x, y, 0x7531); }
+
+// Four packed nibbles per byte pair -> bytes holding 16 * nibble. As int8 that is the signed
+// nibble times 16 (as uint8 the unsigned nibble times 16), with no sign-extension arithmetic;
+// the accumulator is divided by 16 (exactly) per widened operand.
+__device__ __forceinline__ uint32_t low_nibbles_x16(uint32_t x) { return (x << 4) & 0xF0F0F0F0u; }
+__device__ __forceinline__ uint32_t high_nibbles_x16(uint32_t x) { return x & 0xF0F0F0F0u; }
+
+// ---------------------------------------------------------------------------------------------
+// MMA. C(16x8, s32) += A(16x32, row) * B(32x8, col); A_SIGNED / B_SIGNED pick s8 or u8.
+
+template <bool A_SIGNED, bool B_SIGNED>
+__device__ __forceinline__ void mma_16832(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#define MAGICUBE_MMA_16832(AT, BT)                                                                   \
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32." AT "." BT ".s32 "                           \
+               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"                   \
+               : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])                                     \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+  if constexpr (A_SIGNED && B_SIGNED) {
+    MAGICUBE_MMA_16832("s8", "s8");
+  } else if constexpr (A_SIGNED) {
+    MAGICUBE_MMA_16832("s8", "u8");
+  } else if constexpr (B_SIGNED) {
+    MAGICUBE_MMA_16832("u8", "s8");
+  } else {
+    MAGICUBE_MMA_16832("u8", "u8");
+  }
+#undef MAGICUBE_MMA_16832
+}
+
+// C(16x8, f32) += A(16x16, f16, row) * B(16x8, f16, col).
+__device__ __forceinline__ void mma_16816_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+}  // namespace magicube

@@ -1,0 +1,190 @@
+// magicube_cuda::spmm: SR-BCRS sparse x dense on tensor cores (kernel in spmm_kernel.cuh).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAException.h>
+#include <torch/library.h>
+
+#include "spmm_kernel.cuh"
+
+namespace {
+
+using magicube::spmm_detail::Params;
+using magicube::spmm_detail::kThreads;
+using magicube::spmm_detail::kTileBytes;
+using magicube::spmm_detail::kSlots;
+
+void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device) {
+  TORCH_CHECK(t.is_cuda(), "spmm: ", name, " must be a CUDA tensor, got one on ", t.device());
+  TORCH_CHECK(t.device() == device, "spmm: ", name, " is on ", t.device(), " but b is on ", device);
+  TORCH_CHECK(t.is_contiguous(), "spmm: ", name, " must be contiguous");
+}
+
+// A fresh allocation is 256-byte aligned; a view with an odd storage offset is copied once so
+// the 16-byte asynchronous copies stay legal.
+at::Tensor aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
+}
+
+template <int AB, bool AS, int BB>
+void launch(const Params& p, dim3 grid, cudaStream_t stream, bool fast) {
+  if (fast) {
+    magicube::spmm_detail::spmm_kernel<AB, AS, BB, true><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    magicube::spmm_detail::spmm_kernel<AB, AS, BB, false><<<grid, kThreads, 0, stream>>>(p);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int AB, int BB>
+void launch_signed(const Params& p, dim3 grid, cudaStream_t stream, bool fast, bool a_signed) {
+  if (a_signed) launch<AB, true, BB>(p, grid, stream, fast);
+  else launch<AB, false, BB>(p, grid, stream, fast);
+}
+
+at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order,
+                     const at::Tensor& a_values, const at::Tensor& b, const std::optional<at::Tensor>& scale_a,
+                     const std::optional<at::Tensor>& scale_b, int64_t v, int64_t m, int64_t a_bits, bool a_signed,
+                     int64_t b_bits, at::ScalarType out_dtype) {
+  const at::Device device = b.device();
+  check_cuda_tensor(b, "b", device);
+  check_cuda_tensor(row_ptr, "row_ptr", device);
+  check_cuda_tensor(col_idx, "col_idx", device);
+  check_cuda_tensor(row_order, "row_order", device);
+  check_cuda_tensor(a_values, "a_values", device);
+  TORCH_CHECK(v == 2 || v == 4 || v == 8, "spmm: v must be 2, 4 or 8, got ", v);
+  TORCH_CHECK(row_ptr.scalar_type() == at::kInt && col_idx.scalar_type() == at::kInt &&
+                  row_order.scalar_type() == at::kInt,
+              "spmm: row_ptr, col_idx and row_order must be int32");
+  TORCH_CHECK(row_ptr.numel() % 2 == 0, "spmm: row_ptr must hold 2*(M/V) entries, got ", row_ptr.numel());
+  const int64_t vrows = row_ptr.numel() / 2;
+  TORCH_CHECK(m == vrows * v, "spmm: m must be (M/V)*V = ", vrows * v, " for this row_ptr, got ", m);
+  TORCH_CHECK(row_order.numel() == vrows, "spmm: row_order must hold M/V = ", vrows, " entries, got ",
+              row_order.numel());
+  TORCH_CHECK(col_idx.numel() % kSlots == 0, "spmm: col_idx length ", col_idx.numel(),
+              " is not a multiple of the stride ", kSlots);
+  TORCH_CHECK(b.dim() == 3, "spmm: b must be [BH, K, N], got ", b.dim(), " dims");
+  const int64_t bh = b.size(0), k = b.size(1), nnz_pad = col_idx.numel();
+
+  const bool fp16 = a_values.scalar_type() == at::kHalf;
+  int64_t n;
+  if (fp16) {
+    TORCH_CHECK(b.scalar_type() == at::kHalf, "spmm: fp16 a_values need fp16 b, got ", b.scalar_type());
+    TORCH_CHECK(out_dtype == at::kHalf, "spmm: fp16 inputs give a float16 output, got ", out_dtype);
+    TORCH_CHECK(!scale_a.has_value() && !scale_b.has_value(), "spmm: fp16 inputs take no scale_a/scale_b");
+    n = b.size(2);
+  } else {
+    const bool pair_ok = (a_bits == 8 && b_bits == 8) || (a_bits == 4 && b_bits == 4) ||
+                         (a_bits == 16 && b_bits == 8) || (a_bits == 16 && b_bits == 16) ||
+                         (a_bits == 8 && b_bits == 4) || (a_bits == 16 && b_bits == 4) ||
+                         (a_bits == 12 && b_bits == 4);
+    TORCH_CHECK(pair_ok, "spmm: unsupported (a_bits, b_bits) = (", a_bits, ", ", b_bits, ")");
+    TORCH_CHECK(a_signed || a_bits != 12, "spmm: 12-bit a_values are signed only");
+    const at::ScalarType a_type = a_bits >= 12 ? at::kShort : (a_bits == 8 && a_signed ? at::kChar : at::kByte);
+    TORCH_CHECK(a_values.scalar_type() == a_type, "spmm: a_values of ", a_bits, " bits (",
+                a_signed ? "signed" : "unsigned", ") must be ", a_type, ", got ", a_values.scalar_type());
+    const at::ScalarType b_type = b_bits == 16 ? at::kShort : (b_bits == 8 ? at::kChar : at::kByte);
+    TORCH_CHECK(b.scalar_type() == b_type, "spmm: b of ", b_bits, " bits must be ", b_type, ", got ",
+                b.scalar_type());
+    TORCH_CHECK(out_dtype == at::kLong || out_dtype == at::kHalf, "spmm: out_dtype must be int64 or float16, got ",
+                out_dtype);
+    n = b.size(2) * (b_bits == 4 ? 2 : 1);
+    if (out_dtype == at::kHalf) {
+      TORCH_CHECK(scale_a.has_value() && scale_b.has_value(), "spmm: a float16 output needs scale_a and scale_b");
+    }
+  }
+  const int64_t a_elems = (!fp16 && a_bits == 4) ? nnz_pad * v / 2 : nnz_pad * v;
+  TORCH_CHECK(a_values.dim() == 2 && a_values.size(0) == bh && a_values.size(1) == a_elems,
+              "spmm: a_values must be [BH, nnz_pad*V", (!fp16 && a_bits == 4) ? "/2" : "", "] = [", bh, ", ",
+              a_elems, "], got ", a_values.sizes());
+  const float* sa = nullptr;
+  const float* sb = nullptr;
+  if (!fp16 && out_dtype == at::kHalf) {
+    const at::Tensor& ta = *scale_a;
+    const at::Tensor& tb = *scale_b;
+    check_cuda_tensor(ta, "scale_a", device);
+    check_cuda_tensor(tb, "scale_b", device);
+    TORCH_CHECK(ta.scalar_type() == at::kFloat && ta.dim() == 2 && ta.size(0) == bh && ta.size(1) == m,
+                "spmm: scale_a must be float32 [BH, M] = [", bh, ", ", m, "], got ", ta.scalar_type(), " ",
+                ta.sizes());
+    TORCH_CHECK(tb.scalar_type() == at::kFloat && tb.dim() == 2 && tb.size(0) == bh && tb.size(1) == n,
+                "spmm: scale_b must be float32 [BH, N] = [", bh, ", ", n, "], got ", tb.scalar_type(), " ",
+                tb.sizes());
+    sa = ta.data_ptr<float>();
+    sb = tb.data_ptr<float>();
+  }
+  TORCH_CHECK(m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX && bh <= 65535,
+              "spmm: sizes out of range (M, N, K < 2^31, BH <= 65535)");
+
+  c10::cuda::CUDAGuard guard(device);
+  at::Tensor out = at::empty({bh, m, n}, b.options().dtype(out_dtype));
+  if (out.numel() == 0) return out;
+
+  const at::Tensor a_al = aligned16(a_values);
+  const int64_t row_bytes = b.size(2) * b.element_size();
+  // Widest copy that every dense row start admits.
+  const uintptr_t base = reinterpret_cast<uintptr_t>(b.data_ptr());
+  int copy_bytes = 1;
+  for (int c : {16, 8, 4}) {
+    if (row_bytes % c == 0 && base % c == 0) {
+      copy_bytes = c;
+      break;
+    }
+  }
+
+  Params p;
+  p.row_ptr = row_ptr.data_ptr<int>();
+  p.col_idx = col_idx.data_ptr<int>();
+  p.row_order = row_order.data_ptr<int>();
+  p.a = static_cast<const uint8_t*>(a_al.data_ptr());
+  p.b = static_cast<const uint8_t*>(b.data_ptr());
+  p.scale_a = sa;
+  p.scale_b = sb;
+  p.out = out.data_ptr();
+  p.a_bh_bytes = a_al.size(1) * a_al.element_size();
+  p.b_bh_bytes = k * row_bytes;
+  p.m = static_cast<int>(m);
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  p.v = static_cast<int>(v);
+  p.row_bytes = static_cast<int>(row_bytes);
+  p.copy_bytes = copy_bytes;
+  p.out_int64 = out_dtype == at::kLong;
+
+  if (vrows == 0) {
+    out.zero_();
+    return out;
+  }
+  const int64_t tiles = (row_bytes + kTileBytes - 1) / kTileBytes;
+  TORCH_CHECK(tiles <= 65535 && vrows <= INT32_MAX, "spmm: N too large");
+  const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(tiles), static_cast<unsigned>(bh));
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool fast = copy_bytes == 16;
+
+  if (fp16) {
+    launch<0, true, 0>(p, grid, stream, fast);
+  } else if (a_bits == 8 && b_bits == 8) {
+    launch_signed<8, 8>(p, grid, stream, fast, a_signed);
+  } else if (a_bits == 4 && b_bits == 4) {
+    launch_signed<4, 4>(p, grid, stream, fast, a_signed);
+  } else if (a_bits >= 12 && b_bits == 8) {
+    launch_signed<16, 8>(p, grid, stream, fast, a_signed);
+  } else if (a_bits >= 12 && b_bits == 16) {
+    launch_signed<16, 16>(p, grid, stream, fast, a_signed);
+  } else if (a_bits == 8 && b_bits == 4) {
+    launch_signed<8, 4>(p, grid, stream, fast, a_signed);
+  } else {
+    launch_signed<16, 4>(p, grid, stream, fast, a_signed);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(magicube_cuda, m) {
+  m.def(
+      "spmm(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor a_values, Tensor b, Tensor? scale_a, "
+      "Tensor? scale_b, int v, int m, int a_bits, bool a_signed, int b_bits, ScalarType out_dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(magicube_cuda, CUDA, m) { m.impl("spmm", &spmm_cuda); }

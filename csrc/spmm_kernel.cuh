@@ -1,0 +1,385 @@
+// SpMM on SR-BCRS: C[bh] (M x N) = A[bh] (sparse M x K, V x 1 vectors, stride 32) @ B[bh] (K x N).
+//
+// Design (Hopper, measured): every product is an int8 mma.sync m16n8k32 (1279 TOPS, vs 476 for
+// the paper's m8n8k16) or, for fp16, m16n8k16 with fp32 accumulation. The kernel computes the
+// transposed product C^T = B^T A^T so that the dense operand fills the MMA's M = 16 and the sparse
+// V x 32 block, whose rows are contiguous along k, is the MMA's B operand (n = 8 = V) loaded with
+// plain 32/64-bit shared loads. For V < 8 the unused MMA columns are zero: the kernel is bound by
+// the gather of dense rows (each gathered row feeds only V output rows), not by MMA issue, so
+// stacking other vector rows into those columns (which would need their own gathered rows) buys
+// nothing here.
+//
+// One CTA = one vector row x a 128-byte-wide slice of B's rows (128 int8 / 256 int4 / 64 int16 or
+// fp16 columns); 4 warps split the slice. Per 32-slot block, the 32 gathered dense rows go to
+// shared memory through a 4-stage cp.async pipeline (latency of the L2 gather is the limiter; the
+// column indices of the next block are prefetched into registers one step ahead so the gather
+// addresses never wait on a dependent load). The online transpose of the gathered tile happens on
+// the way out of shared memory: ldmatrix.trans transposes byte pairs and one prmt per register
+// finishes the 8-bit transpose (16-bit planes fall out of the same prmt). Slots are placed in
+// shared memory rows so that each ldmatrix 8x8 matrix reads 8 consecutive rows, and the 16-byte
+// chunks are XOR-swizzled with the row so those reads and the cp.async writes are bank-conflict
+// free. Because the MMA's k order is free as long as both operands agree, the sparse fragment is
+// loaded in whatever order its container makes cheapest (no int4 column shuffle is needed; the
+// kernel works on shuffled and unshuffled patterns alike).
+//
+// Wide operands: 16-bit values are two byte planes, x = hi * 256 + lo (hi signed, or unsigned for
+// u16; lo unsigned), multiplied plane by plane with mixed-signedness MMAs and recombined with
+// shifts in int64. int4 values are widened in registers to 16 * value (a mask, no sign
+// arithmetic) and the exact multiple of 16 is shifted out at the end. The int32 accumulators are
+// folded into int64 every 512 blocks, before any plane product could overflow (a block adds at
+// most 32 * 255 * 255 < 2^21 per plane).
+#pragma once
+
+#include <cstdint>
+#include <cuda_fp16.h>
+
+#include "mma.cuh"
+
+namespace magicube {
+namespace spmm_detail {
+
+constexpr int kSlots = 32;        // SR-BCRS stride of the ops
+constexpr int kTileBytes = 128;   // bytes of each gathered dense row per CTA
+constexpr int kChunks = kTileBytes / 16;
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kStages = 4;
+constexpr int kFlushBlocks = 512;
+
+struct Params {
+  const int* row_ptr;
+  const int* col_idx;
+  const int* row_order;
+  const uint8_t* a;     // sparse values, [BH, nnz_pad * V] containers (bytes)
+  const uint8_t* b;     // dense, [BH, K, row_bytes]
+  const float* scale_a; // [BH, M] or null
+  const float* scale_b; // [BH, N] or null
+  void* out;            // [BH, M, N]: int64, or fp16
+  int64_t a_bh_bytes;
+  int64_t b_bh_bytes;
+  int m, n, k, v;
+  int row_bytes;        // bytes of one dense row of B
+  int copy_bytes;       // generic path: 8 or 4 (cp.async piece) or 1 (synchronous bytes)
+  bool out_int64;
+};
+
+// AB/BB: sparse/dense bits (16, 8, 4); 0/0 is the fp16 kernel. AS: sparse values signed.
+template <int AB, bool AS, int BB>
+struct Kind {
+  static constexpr bool kFp16 = AB == 0;
+  static constexpr int kAPlanes = AB == 16 ? 2 : 1;
+  static constexpr int kBPlanes = BB == 16 ? 2 : 1;
+  static constexpr int kSparseRowBytes = kFp16 ? 64 : kSlots * AB / 8;
+  // Dense columns per 16-byte chunk and per CTA.
+  static constexpr int kColsPerChunk = kFp16 ? 8 : 128 / BB;
+  static constexpr int kTileCols = kChunks * kColsPerChunk;
+  // MMA m-tiles (16 dense columns each) per warp and 32-slot block.
+  static constexpr int kWarpChunks = kChunks / kWarps;
+  static constexpr int kMTiles = kWarpChunks * kColsPerChunk / 16;
+  static constexpr int kShift = (AB == 4 ? 4 : 0) + (BB == 4 ? 4 : 0);
+
+  // Shared-memory row of block slot s (0..31): ldmatrix matrix j reads rows 8j..8j+7, and the
+  // MMA k order it yields must match the sparse fragment's (see the file comment).
+  __device__ static __forceinline__ int smem_row(int s) {
+    if constexpr (AB == 4) {
+      // sparse k order: k = 4t + j <-> slot 8t + 2j, k = 16 + 4t + j <-> slot 8t + 2j + 1
+      return 8 * (2 * (s & 1) + ((s >> 2) & 1)) + 2 * (s >> 3) + ((s >> 1) & 1);
+    } else {
+      // sparse k order = slot order
+      return 8 * (2 * (s >> 4) + ((s >> 1) & 1)) + 2 * ((s >> 2) & 3) + (s & 1);
+    }
+  }
+
+  // Dense column (within the warp's chunks) of MMA row rr (0..15) of m-tile mt.
+  __device__ static __forceinline__ int tile_col(int mt, int rr) {
+    if constexpr (kFp16 || BB == 16) {
+      return rr;
+    } else if constexpr (BB == 8) {
+      return 16 * mt + 2 * (rr & 7) + (rr >> 3);
+    } else {
+      return 32 * (mt >> 1) + 4 * (rr & 7) + 2 * (rr >> 3) + (mt & 1);
+    }
+  }
+};
+
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint2 lds64(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
+
+template <int AB, bool AS, int BB, bool FAST>
+__global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
+  using K = Kind<AB, AS, BB>;
+  constexpr int kDenseStage = kSlots * kTileBytes;
+  constexpr int kSparseStage = 8 * K::kSparseRowBytes;
+  constexpr int kStageBytes = kDenseStage + kSparseStage;
+  constexpr int kOutBytes = 8 * K::kTileCols * 8;
+  constexpr int kSmem = kStages * kStageBytes > kOutBytes ? kStages * kStageBytes : kOutBytes;
+  __shared__ __align__(128) uint8_t smem[kSmem];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int vrow = p.row_order[blockIdx.x];
+  const int bh = blockIdx.z;
+  const int v = p.v;
+  const int start = p.row_ptr[2 * vrow];
+  const int count = p.row_ptr[2 * vrow + 1] - start;
+  const int nblocks = (count + kSlots - 1) / kSlots;
+  const int col0_bytes = blockIdx.y * kTileBytes;
+
+  const uint8_t* a_bh = p.a + bh * p.a_bh_bytes + (int64_t)start * v * K::kSparseRowBytes / kSlots;
+  const uint8_t* b_bh = p.b + bh * p.b_bh_bytes;
+  const int* cols = p.col_idx + start;
+  const uint32_t smem0 = smem_addr(smem);
+
+  // Copy roles: thread copies chunk `cchunk` of block slots `cslot` and `cslot + 16`.
+  const int cchunk = tid & (kChunks - 1);
+  const int cslot = tid / kChunks;
+  const int cbyte = col0_bytes + cchunk * 16;
+  uint32_t cdst[2];
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int r = K::smem_row(cslot + 16 * q);
+    cdst[q] = r * kTileBytes + ((cchunk ^ (r & 7)) * 16);
+  }
+  const int sparse_chunks = v * K::kSparseRowBytes / 16;
+
+  auto fetch_cols = [&](int blk, int (&c)[2]) {
+    if (blk < nblocks) {
+      c[0] = cols[blk * kSlots + cslot];
+      c[1] = cols[blk * kSlots + cslot + 16];
+    }
+  };
+  auto issue = [&](int blk, const int (&c)[2]) {
+    const uint32_t stage = smem0 + (blk % kStages) * kStageBytes;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const bool live = c[q] >= 0 && c[q] < p.k;
+      const uint8_t* src = b_bh + (live ? (int64_t)c[q] * p.row_bytes : 0) + cbyte;
+      const uint32_t dst = stage + cdst[q];
+      if constexpr (FAST) {
+        const bool in = live && cbyte < p.row_bytes;
+        cp_async16(dst, in ? src : p.b, in ? 16 : 0);
+      } else if (p.copy_bytes >= 4) {
+        for (int piece = 0; piece < 16; piece += p.copy_bytes) {
+          const bool in = live && cbyte + piece < p.row_bytes;
+          if (p.copy_bytes == 8) cp_async8(dst + piece, in ? src + piece : p.b, in ? 8 : 0);
+          else cp_async4(dst + piece, in ? src + piece : p.b, in ? 4 : 0);
+        }
+      } else {
+        uint8_t* d = smem + (dst - smem0);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) d[j] = (live && cbyte + j < p.row_bytes) ? src[j] : 0;
+      }
+    }
+    if (tid < sparse_chunks) {
+      const uint8_t* src = a_bh + (int64_t)blk * kSparseStage / 8 * v + tid * 16;
+      cp_async16(stage + kDenseStage + tid * 16, src, 16);
+    }
+  };
+
+  constexpr int kMT = K::kMTiles;
+  int acc[K::kAPlanes][K::kBPlanes][kMT][4];
+  int64_t wide[kMT][4];
+  float accf[kMT][4];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      wide[mt][j] = 0;
+      accf[mt][j] = 0.f;
+#pragma unroll
+      for (int pa = 0; pa < K::kAPlanes; ++pa)
+#pragma unroll
+        for (int pb = 0; pb < K::kBPlanes; ++pb) acc[pa][pb][mt][j] = 0;
+    }
+  auto fold = [&]() {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int pa = 0; pa < K::kAPlanes; ++pa)
+#pragma unroll
+          for (int pb = 0; pb < K::kBPlanes; ++pb) {
+            const int sh = 8 * ((K::kAPlanes - 1 - pa) + (K::kBPlanes - 1 - pb));
+            wide[mt][j] += static_cast<int64_t>(acc[pa][pb][mt][j]) << sh;
+            acc[pa][pb][mt][j] = 0;
+          }
+  };
+
+  // ldmatrix lane address: matrix j = lane / 8 reads shared row 8j + lane % 8 (integer kinds).
+  const int li = lane & 7, lm = lane >> 3;
+  const int wchunk0 = warp * K::kWarpChunks;
+
+  auto compute = [&](int blk) {
+    const uint32_t stage = smem0 + (blk % kStages) * kStageBytes;
+    const uint32_t sparse = stage + kDenseStage + g * K::kSparseRowBytes;
+    const bool row_live = g < v;
+    if constexpr (K::kFp16) {
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+        uint2 bw = make_uint2(0, 0);
+        if (row_live) bw = lds64(sparse + 32 * ks + 8 * t);
+        const int row = 16 * ks + 8 * (lm >> 1) + li;
+        const int chunk = wchunk0 + (lm & 1);
+        uint32_t a[4];
+        ldsm_x4_trans(stage + row * kTileBytes + ((chunk ^ li) * 16), a[0], a[1], a[2], a[3]);
+        mma_16816_f16(accf[0], a, bw.x, bw.y);
+      }
+    } else {
+      // Sparse fragment, plane 0 = high byte (or the only plane).
+      uint32_t sb[K::kAPlanes][2];
+#pragma unroll
+      for (int pa = 0; pa < K::kAPlanes; ++pa) sb[pa][0] = sb[pa][1] = 0;
+      if (row_live) {
+        if constexpr (AB == 8) {
+          sb[0][0] = lds32(sparse + 4 * t);
+          sb[0][1] = lds32(sparse + 16 + 4 * t);
+        } else if constexpr (AB == 4) {
+          const uint32_t x = lds32(sparse + 4 * t);
+          sb[0][0] = low_nibbles_x16(x);
+          sb[0][1] = high_nibbles_x16(x);
+        } else {
+          const uint2 w0 = lds64(sparse + 8 * t), w1 = lds64(sparse + 32 + 8 * t);
+          sb[0][0] = odd_bytes(w0.x, w0.y);
+          sb[0][1] = odd_bytes(w1.x, w1.y);
+          sb[1][0] = even_bytes(w0.x, w0.y);
+          sb[1][1] = even_bytes(w1.x, w1.y);
+        }
+      }
+      const uint32_t lrow = stage + (8 * lm + li) * kTileBytes;
+      auto ldsm = [&](int chunk, uint32_t (&r)[4]) {
+        ldsm_x4_trans(lrow + ((chunk ^ li) * 16), r[0], r[1], r[2], r[3]);
+      };
+      auto mma_planes = [&](int mt, const uint32_t (&da)[K::kBPlanes][4]) {
+#pragma unroll
+        for (int pa = 0; pa < K::kAPlanes; ++pa)
+#pragma unroll
+          for (int pb = 0; pb < K::kBPlanes; ++pb) {
+            constexpr bool kDenseHiSigned = true;
+            if (pb == 0) {
+              if (pa == 0) mma_16832<kDenseHiSigned, AS>(acc[pa][pb][mt], da[pb], sb[pa][0], sb[pa][1]);
+              else mma_16832<kDenseHiSigned, false>(acc[pa][pb][mt], da[pb], sb[pa][0], sb[pa][1]);
+            } else {
+              if (pa == 0) mma_16832<false, AS>(acc[pa][pb][mt], da[pb], sb[pa][0], sb[pa][1]);
+              else mma_16832<false, false>(acc[pa][pb][mt], da[pb], sb[pa][0], sb[pa][1]);
+            }
+          }
+      };
+      if constexpr (BB == 8) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          uint32_t r[4];
+          ldsm(wchunk0 + mt, r);
+          const uint32_t da[1][4] = {{even_bytes(r[0], r[1]), odd_bytes(r[0], r[1]), even_bytes(r[2], r[3]),
+                                      odd_bytes(r[2], r[3])}};
+          mma_planes(mt, da);
+        }
+      } else if constexpr (BB == 4) {
+#pragma unroll
+        for (int c = 0; c < K::kWarpChunks; ++c) {
+          uint32_t r[4];
+          ldsm(wchunk0 + c, r);
+          const uint32_t x01 = even_bytes(r[0], r[1]), y01 = odd_bytes(r[0], r[1]);
+          const uint32_t x23 = even_bytes(r[2], r[3]), y23 = odd_bytes(r[2], r[3]);
+          const uint32_t lo[1][4] = {{low_nibbles_x16(x01), low_nibbles_x16(y01), low_nibbles_x16(x23),
+                                      low_nibbles_x16(y23)}};
+          const uint32_t hi[1][4] = {{high_nibbles_x16(x01), high_nibbles_x16(y01), high_nibbles_x16(x23),
+                                      high_nibbles_x16(y23)}};
+          mma_planes(2 * c, lo);
+          mma_planes(2 * c + 1, hi);
+        }
+      } else {
+        uint32_t r[4], s[4];
+        ldsm(wchunk0, r);
+        ldsm(wchunk0 + 1, s);
+        const uint32_t da[2][4] = {
+            {odd_bytes(r[0], r[1]), odd_bytes(s[0], s[1]), odd_bytes(r[2], r[3]), odd_bytes(s[2], s[3])},
+            {even_bytes(r[0], r[1]), even_bytes(s[0], s[1]), even_bytes(r[2], r[3]), even_bytes(s[2], s[3])}};
+        mma_planes(0, da);
+      }
+    }
+  };
+
+  // Pipeline: blocks it+1 .. it+kStages-1 are in flight while block it is computed.
+  int next_cols[2] = {-1, -1};
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < nblocks) {
+      fetch_cols(s, next_cols);
+      issue(s, next_cols);
+    }
+    cp_async_commit();
+  }
+  fetch_cols(kStages - 1, next_cols);
+  int since_fold = 0;
+  for (int it = 0; it < nblocks; ++it) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (it + kStages - 1 < nblocks) issue(it + kStages - 1, next_cols);
+    cp_async_commit();
+    fetch_cols(it + kStages, next_cols);
+    compute(it);
+    if constexpr (!K::kFp16) {
+      if (++since_fold == kFlushBlocks) {
+        fold();
+        since_fold = 0;
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Epilogue: stage the V x tile result in shared memory, then write whole rows coalesced.
+  const int tile_col0 = wchunk0 * K::kColsPerChunk;
+  if constexpr (K::kFp16) {
+    float* stage_out = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int col = 2 * t + (j & 1);
+      if (col < v) stage_out[col * K::kTileCols + tile_col0 + K::tile_col(0, g + 8 * (j >> 1))] = accf[0][j];
+    }
+  } else {
+    fold();
+    int64_t* stage_out = reinterpret_cast<int64_t*>(smem);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int col = 2 * t + (j & 1);
+        if (col < v)
+          stage_out[col * K::kTileCols + tile_col0 + K::tile_col(mt, g + 8 * (j >> 1))] = wide[mt][j] >> K::kShift;
+      }
+  }
+  __syncthreads();
+
+  const int n0 = blockIdx.y * K::kTileCols;
+  const int ncols = min(K::kTileCols, p.n - n0);
+  const int64_t row0 = (int64_t)bh * p.m + (int64_t)vrow * v;
+  for (int idx = tid; idx < v * K::kTileCols; idx += kThreads) {
+    const int r = idx / K::kTileCols, c = idx % K::kTileCols;
+    if (c >= ncols) continue;
+    const int64_t o = (row0 + r) * p.n + n0 + c;
+    if constexpr (K::kFp16) {
+      reinterpret_cast<__half*>(p.out)[o] = __float2half_rn(reinterpret_cast<const float*>(smem)[idx]);
+    } else {
+      const int64_t x = reinterpret_cast<const int64_t*>(smem)[idx];
+      if (p.out_int64) {
+        reinterpret_cast<int64_t*>(p.out)[o] = x;
+      } else {
+        const float s = p.scale_a[row0 + r] * p.scale_b[(int64_t)bh * p.n + n0 + c];
+        reinterpret_cast<__half*>(p.out)[o] = __float2half_rn(__ll2float_rn(x) * s);
+      }
+    }
+  }
+}
+
+}  // namespace spmm_detail
+}  // namespace magicube

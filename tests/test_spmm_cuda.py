@@ -1,0 +1,191 @@
+"""The CUDA SpMM kernels against the reference (the CPU implementation of magicube::spmm).
+
+Integer results are compared bit-exactly (int64 accumulators, and the fp16 dequantized output,
+which the contract defines as one fp32 multiply and one rounding). The fp16 x fp16 kernel
+accumulates in fp32 in another order than the reference, so it is held to the error bound of
+fp32 accumulation plus one fp16 rounding, measured against a float64 product.
+"""
+
+import pytest
+import torch
+
+from conftest import problem, random_ints
+from magicube.ops import SRBCRS, VectorMask, qrange, to_container
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+KINDS = [(8, 8, True), (8, 8, False), (4, 4, True), (4, 4, False), (16, 8, True), (16, 8, False),
+         (16, 16, True), (16, 16, False), (8, 4, True), (8, 4, False), (16, 4, True), (16, 4, False),
+         (12, 4, True)]
+KIND_IDS = [f"L{a}{'' if s else 'u'}-R{b}" for a, b, s in KINDS]
+
+# (BH, M/V, K, N): K and N multiples of no tile; N = 100 has 16-byte-misaligned dense rows for
+# every width (the generic copy path); N = 272 is aligned with a partial last tile.
+SHAPES = [(1, 7, 333, 100), (3, 5, 97, 272), (1, 1, 40, 2), (3, 9, 700, 36)]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from magicube.ops import extension
+
+    extension.load("spmm")
+    return torch.ops.magicube_cuda
+
+
+def _poison():
+    """Leave a freed block of garbage for the caching allocator to hand out next."""
+    junk = torch.full((1 << 22,), -0x5A5A5A5A5A5A5A5A, dtype=torch.int64, device="cuda")
+    del junk
+
+
+def _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, out_dtype):
+    """The kernel on CUDA copies, and the reference on the CPU tensors."""
+    cuda = p.to("cuda")
+    args = (a_values, b, sa, sb)
+    dev = [x.cuda() if x is not None else None for x in args]
+    _poison()
+    got = kernels.spmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev, v, p.m, a_bits, a_signed, b_bits,
+                       out_dtype)
+    torch.cuda.synchronize()
+    want = torch.ops.magicube.spmm(p.row_ptr, p.col_idx, p.row_order, *args, v, p.m, a_bits, a_signed, b_bits,
+                                   out_dtype)
+    return got.cpu(), want
+
+
+def _inputs(p, emask, bh, k, n, a_bits, a_signed, b_bits, g, fill=None):
+    if fill is None:
+        a = random_ints((bh, p.m, k), a_bits, a_signed, g)
+        b = random_ints((bh, k, n), b_bits, True, g)
+    else:
+        a = torch.full((bh, p.m, k), fill[0], dtype=torch.int64)
+        b = torch.full((bh, k, n), fill[1], dtype=torch.int64)
+    a_values = to_container(p.pack_values(a * emask), a_bits, a_signed)
+    return a_values, to_container(b, b_bits)
+
+
+def _scales(bh, m, n, g, a_bits, b_bits):
+    return ((torch.rand(bh, m, generator=g) + 0.01) / 2 ** (a_bits - 1),
+            (torch.rand(bh, n, generator=g) + 0.01) / 2 ** (b_bits - 1))
+
+
+@pytest.mark.parametrize("v", [2, 4, 8])
+@pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
+def test_integer_exact(kernels, a_bits, b_bits, a_signed, v):
+    for i, (bh, rows, k, n) in enumerate(SHAPES):
+        g = torch.Generator().manual_seed(1000 * i + v)
+        p, emask = problem(bh, rows, k, v, 0.6 + 0.1 * i, seed=i, shuffle=bool(i % 2))
+        a_values, b = _inputs(p, emask, bh, k, n, a_bits, a_signed, b_bits, g)
+        got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64)
+        assert got.dtype == torch.int64 and got.shape == want.shape
+        assert torch.equal(got, want), f"shape {(bh, rows * v, k, n)}: {(got != want).sum()} mismatches"
+        sa, sb = _scales(bh, p.m, n, g, a_bits, b_bits)
+        got, want = _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, torch.float16)
+        assert got.dtype == torch.float16
+        assert torch.equal(got, want), f"shape {(bh, rows * v, k, n)}: fp16 output differs"
+
+
+@pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
+def test_range_extremes(kernels, a_bits, b_bits, a_signed):
+    """All values at qmin or qmax: the largest products, the int32 overflow of long rows."""
+    amin, amax = qrange(a_bits, a_signed)
+    bmin, bmax = qrange(b_bits, True)
+    bh, rows, k, n, v = 2, 3, 2000, 40, 8
+    p, emask = problem(bh, rows, k, v, 0.2, seed=5)
+    for fill in [(amin, bmin), (amax, bmax), (amin, bmax), (amax, bmin)]:
+        a_values, b = _inputs(p, emask, bh, k, n, a_bits, a_signed, b_bits, None, fill)
+        got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64)
+        assert torch.equal(got, want), f"fill {fill}"
+
+
+@pytest.mark.parametrize("a_bits, b_bits, a_signed", [(16, 16, True), (16, 16, False), (8, 8, False)],
+                         ids=["L16-R16", "L16u-R16", "L8u-R8"])
+def test_int32_overflow_long_row(kernels, a_bits, b_bits, a_signed):
+    """One full row of 20000 columns (625 blocks, past the int32 fold interval) at the extremes."""
+    amin, amax = qrange(a_bits, a_signed)
+    bmin, _ = qrange(b_bits, True)
+    k, n, v = 20000, 16, 2
+    mask = torch.zeros(2, k, dtype=torch.bool)
+    mask[1] = True
+    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
+    emask = VectorMask(mask, v).to_dense()
+    fill = (amax if not a_signed else amin, bmin)
+    a_values, b = _inputs(p, emask, 1, k, n, a_bits, a_signed, b_bits, None, fill)
+    got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64)
+    assert int(want.abs().max()) > 2**31
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("v", [2, 4, 8])
+def test_fp16_kernel(kernels, v):
+    for i, (bh, rows, k, n) in enumerate(SHAPES):
+        g = torch.Generator().manual_seed(77 + i)
+        p, emask = problem(bh, rows, k, v, 0.5 + 0.1 * i, seed=i, shuffle=bool(i % 2))
+        a = (torch.randn(bh, p.m, k, generator=g) * emask).half()
+        b = torch.randn(bh, k, n, generator=g).half()
+        a_values = p.pack_values(a)
+        got, want = _run(kernels, p, a_values, b, None, None, v, 16, True, 16, torch.float16)
+        assert got.dtype == torch.float16 and got.shape == want.shape
+        exact = a.double() @ b.double()
+        # fp32 accumulation (K terms) plus one rounding to fp16 (half an ulp, 2^-11 relative).
+        bound = exact.abs() * 2.0**-11 + (a.double().abs() @ b.double().abs()) * k * 2.0**-23 + 2.0**-24
+        assert bool(((got.double() - exact).abs() <= bound).all()), f"shape {(bh, rows * v, k, n)}"
+        assert bool(((want.double() - exact).abs() <= bound).all())
+
+
+def test_fp16_padding_is_not_read(kernels):
+    """Padding slots (col_idx -1) must contribute exactly zero even if B holds inf/NaN nowhere else."""
+    v, k, n = 8, 50, 64
+    mask = torch.zeros(2, k, dtype=torch.bool)
+    mask[0, :3] = True
+    mask[1, 10:45] = True
+    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
+    emask = VectorMask(mask, v).to_dense()
+    a = (torch.ones(1, p.m, k) * emask).half()
+    b = torch.ones(1, k, n).half()
+    got, want = _run(kernels, p, p.pack_values(a), b, None, None, v, 16, True, 16, torch.float16)
+    assert torch.equal(got, want)
+
+
+def test_argument_checks(kernels):
+    p, emask = problem(1, 2, 64, 8, 0.5, seed=0)
+    cuda = p.to("cuda")
+    a_values = to_container(p.pack_values(emask.long()[None]), 8).cuda()
+    b = torch.zeros(1, 64, 32, dtype=torch.int8, device="cuda")
+    args = (cuda.row_ptr, cuda.col_idx, cuda.row_order)
+    with pytest.raises(RuntimeError, match="a_values"):
+        kernels.spmm(*args, a_values.short(), b, None, None, 8, p.m, 8, True, 8, torch.int64)
+    with pytest.raises(RuntimeError, match="b"):
+        kernels.spmm(*args, a_values, b.short(), None, None, 8, p.m, 8, True, 8, torch.int64)
+    with pytest.raises(RuntimeError, match="scale"):
+        kernels.spmm(*args, a_values, b, None, None, 8, p.m, 8, True, 8, torch.float16)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.spmm(*args, a_values, b.transpose(1, 2).contiguous().transpose(1, 2), None, None, 8, p.m, 8, True,
+                     8, torch.int64)
+
+
+def test_current_stream(kernels):
+    p, emask = problem(2, 4, 256, 8, 0.5, seed=3)
+    g = torch.Generator().manual_seed(0)
+    a_values, b = _inputs(p, emask, 2, 256, 128, 8, True, 8, g)
+    want = torch.ops.magicube.spmm(p.row_ptr, p.col_idx, p.row_order, a_values, b, None, None, 8, p.m, 8, True, 8,
+                                   torch.int64)
+    cuda = p.to("cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        got = kernels.spmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, a_values.cuda(), b.cuda(), None, None, 8,
+                           p.m, 8, True, 8, torch.int64)
+    s.synchronize()
+    assert torch.equal(got.cpu(), want)
+
+
+def test_public_op_dispatches_to_kernel(kernels):
+    """magicube.ops.spmm on CUDA tensors gives the reference's answer."""
+    from magicube.ops import spmm
+
+    p, emask = problem(1, 6, 128, 4, 0.7, seed=9)
+    g = torch.Generator().manual_seed(1)
+    a_values, b = _inputs(p, emask, 1, 128, 64, 16, True, 4, g)
+    want = spmm(p, a_values, b, a_bits=16, b_bits=4, out_dtype=torch.int64)
+    got = spmm(p.to("cuda"), a_values.cuda(), b.cuda(), a_bits=16, b_bits=4, out_dtype=torch.int64)
+    assert torch.equal(got.cpu(), want)
