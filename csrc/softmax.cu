@@ -1,0 +1,305 @@
+// Sparse softmax over SR-BCRS values with the quantization of the
+// probabilities fused into the store.
+//
+// One warp owns one vector row (V rows sharing the kept columns). A lane
+// loads 8 consecutive slots of one row of one V x 32 block with a 16-byte
+// load; the 32 lanes cover 32 / (4 V) ... 1 block(s) per step (lane bits 0-1:
+// the 8-slot group, next log2 V bits: the row, the rest: the block). A row of
+// up to kCached steps stays in shared memory, so the values are read once;
+// longer rows are streamed three times (max, sum, store), the re-reads mostly
+// from L2.
+//
+// The kept mask comes from the row's count; only the 8-slot group holding the
+// end of the row can mix kept and padding slots (the int4 column shuffle
+// permutes inside groups of 8), and only there is col_idx read.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cuda_fp16.h>
+#include <tuple>
+
+namespace magicube_softmax {
+
+constexpr int kWarps = 4;
+constexpr int kStride = 32;
+constexpr int kCached = 16;
+
+template <int V>
+struct LaneMap {
+  static constexpr int kLogV = V == 2 ? 1 : V == 4 ? 2 : 3;
+  static constexpr int kBlocksPerStep = 8 / V;
+};
+
+// Reduces over the lanes that hold the same row: lane bits 0-1 and the block bits.
+template <int V, typename F>
+__device__ __forceinline__ float row_reduce(float x, F op) {
+  x = op(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  x = op(x, __shfl_xor_sync(0xffffffffu, x, 2));
+#pragma unroll
+  for (int bit = 2 + LaneMap<V>::kLogV; bit < 5; ++bit) x = op(x, __shfl_xor_sync(0xffffffffu, x, 1 << bit));
+  return x;
+}
+
+template <int OUT_BITS>
+struct Store;
+
+template <>
+struct Store<0> {
+  using T = __half;
+  static constexpr float kQmax = 0.f;
+};
+template <>
+struct Store<16> {
+  using T = uint16_t;
+  static constexpr float kQmax = 65535.f;
+};
+template <>
+struct Store<8> {
+  using T = uint8_t;
+  static constexpr float kQmax = 255.f;
+};
+template <>
+struct Store<4> {
+  using T = uint8_t;
+  static constexpr float kQmax = 15.f;
+};
+
+template <int V, int OUT_BITS>
+__global__ void __launch_bounds__(kWarps * 32)
+    softmax_kernel(const int* __restrict__ row_ptr, const int* __restrict__ col_idx,
+                   const int* __restrict__ row_order, int num_vrows, int64_t nnz_pad,
+                   const __half* __restrict__ values, uint8_t* __restrict__ probs,
+                   float* __restrict__ row_scale, float scale) {
+  constexpr int kBps = LaneMap<V>::kBlocksPerStep;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int w = blockIdx.x * kWarps + warp;
+  if (w >= num_vrows) return;
+  const int64_t bh = blockIdx.y;
+  const int vrow = __ldg(row_order + w);
+  const int64_t start = __ldg(row_ptr + 2 * vrow);
+  const int count = __ldg(row_ptr + 2 * vrow + 1) - static_cast<int>(start);
+  const int num_blocks = (count + kStride - 1) / kStride;
+  const int steps = (num_blocks + kBps - 1) / kBps;
+
+  const int grp = lane & 3;
+  const int r = (lane >> 2) & (V - 1);
+  const int bo = lane >> (2 + LaneMap<V>::kLogV);
+
+  const __half* vbase = values + bh * nnz_pad * V;
+  // Element offset (within this BH) of the lane's 8 slots at step `it`, or -1.
+  auto elem_offset = [&](int it) -> int64_t {
+    const int j = it * kBps + bo;
+    if (j >= num_blocks) return -1;
+    return (start + static_cast<int64_t>(j) * kStride) * V + r * kStride + grp * 8;
+  };
+  auto kept_mask = [&](int it) -> uint32_t {
+    const int j = it * kBps + bo;
+    const int rel = j * kStride + grp * 8;
+    if (j >= num_blocks || rel >= count) return 0u;
+    if (rel + 8 <= count) return 0xFFu;
+    uint32_t msk = 0;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) msk |= (__ldg(col_idx + start + rel + u) != -1 ? 1u : 0u) << u;
+    return msk;
+  };
+
+  // The lane's slots of up to kCached steps, staged by cp.async so that all
+  // of a chunk's loads are in flight at once; a lane reads back only what it
+  // wrote itself, so no warp barrier is needed.
+  __shared__ uint4 cache[kWarps][kCached][32];
+  uint4(&mine)[kCached][32] = cache[warp];
+  const bool cached = steps <= kCached;
+  auto load_chunk = [&](int c0) {
+#pragma unroll 4
+    for (int u = 0; u < kCached && c0 + u < steps; ++u) {
+      const int64_t o = elem_offset(c0 + u);
+      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(&mine[u][lane]));
+      const void* src = o >= 0 ? static_cast<const void*>(vbase + o) : static_cast<const void*>(vbase);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                   "r"(o >= 0 ? 16 : 0));
+    }
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+  };
+  auto slot_value = [&](int u, int e) -> float {
+    const uint4 q = mine[u][lane];
+    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+    const uint32_t hw = words[e >> 1] >> (16 * (e & 1));
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(hw & 0xFFFFu))) * scale;
+  };
+
+  if (cached) load_chunk(0);
+
+  float mx = -INFINITY;
+  for (int c0 = 0; c0 < steps; c0 += kCached) {
+    if (!cached) load_chunk(c0);
+#pragma unroll 2
+    for (int u = 0; u < kCached && c0 + u < steps; ++u) {
+      const uint32_t msk = kept_mask(c0 + u);
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        if (msk >> e & 1u) mx = fmaxf(mx, slot_value(u, e));
+    }
+  }
+  mx = row_reduce<V>(mx, [](float x, float y) { return fmaxf(x, y); });
+
+  float sum = 0.f;
+  for (int c0 = 0; c0 < steps; c0 += kCached) {
+    if (!cached) load_chunk(c0);
+#pragma unroll 2
+    for (int u = 0; u < kCached && c0 + u < steps; ++u) {
+      const uint32_t msk = kept_mask(c0 + u);
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        if (msk >> e & 1u) sum += expf(slot_value(u, e) - mx);
+    }
+  }
+  sum = row_reduce<V>(sum, [](float x, float y) { return x + y; });
+
+  constexpr float kQmax = Store<OUT_BITS>::kQmax;
+  const int64_t out_row = bh * static_cast<int64_t>(num_vrows) * V + static_cast<int64_t>(vrow) * V + r;
+  if (grp == 0 && bo == 0) {
+    float rs;
+    if (count == 0) {
+      rs = 0.f;
+    } else if constexpr (OUT_BITS == 0) {
+      rs = 1.f;
+    } else {
+      rs = 1.f / (sum * kQmax);
+    }
+    row_scale[out_row] = rs;
+  }
+
+  for (int c0 = 0; c0 < steps; c0 += kCached) {
+    if (!cached) load_chunk(c0);
+#pragma unroll 2
+    for (int u = 0; u < kCached && c0 + u < steps; ++u) {
+      const int64_t o = elem_offset(c0 + u);
+      if (o < 0) continue;
+      const uint32_t msk = kept_mask(c0 + u);
+      float ev[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ev[e] = (msk >> e & 1u) ? expf(slot_value(u, e) - mx) : 0.f;
+      const int64_t dst = bh * nnz_pad * V + o;
+      if constexpr (OUT_BITS == 0) {
+        uint32_t pw[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const unsigned short lo = __half_as_ushort(__float2half_rn(ev[2 * q] / sum));
+          const unsigned short hi = __half_as_ushort(__float2half_rn(ev[2 * q + 1] / sum));
+          pw[q] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+        }
+        *reinterpret_cast<uint4*>(probs + dst * 2) = make_uint4(pw[0], pw[1], pw[2], pw[3]);
+      } else {
+        uint32_t qv[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) qv[e] = static_cast<uint32_t>(fminf(rintf(ev[e] * kQmax), kQmax));
+        if constexpr (OUT_BITS == 16) {
+          *reinterpret_cast<uint4*>(probs + dst * 2) =
+              make_uint4(qv[0] | qv[1] << 16, qv[2] | qv[3] << 16, qv[4] | qv[5] << 16, qv[6] | qv[7] << 16);
+        } else if constexpr (OUT_BITS == 8) {
+          *reinterpret_cast<uint2*>(probs + dst) =
+              make_uint2(qv[0] | qv[1] << 8 | qv[2] << 16 | qv[3] << 24,
+                         qv[4] | qv[5] << 8 | qv[6] << 16 | qv[7] << 24);
+        } else {
+          uint32_t packed = 0;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) packed |= qv[e] << (4 * e);
+          *reinterpret_cast<uint32_t*>(probs + dst / 2) = packed;
+        }
+      }
+    }
+  }
+}
+
+template <int V, int OUT_BITS>
+void launch(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order,
+            int64_t num_vrows, int64_t nnz_pad, int64_t bh, const at::Tensor& values,
+            at::Tensor& probs, at::Tensor& row_scale, double scale) {
+  const dim3 grid(static_cast<unsigned>((num_vrows + kWarps - 1) / kWarps), static_cast<unsigned>(bh));
+  softmax_kernel<V, OUT_BITS><<<grid, kWarps * 32, 0, at::cuda::getCurrentCUDAStream()>>>(
+      row_ptr.data_ptr<int>(), col_idx.data_ptr<int>(), row_order.data_ptr<int>(),
+      static_cast<int>(num_vrows), nnz_pad, reinterpret_cast<const __half*>(values.data_ptr()),
+      static_cast<uint8_t*>(probs.data_ptr()), row_scale.data_ptr<float>(), static_cast<float>(scale));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int V>
+void dispatch_bits(int64_t out_bits, const at::Tensor& row_ptr, const at::Tensor& col_idx,
+                   const at::Tensor& row_order, int64_t num_vrows, int64_t nnz_pad, int64_t bh,
+                   const at::Tensor& values, at::Tensor& probs, at::Tensor& row_scale, double scale) {
+  switch (out_bits) {
+    case 0: launch<V, 0>(row_ptr, col_idx, row_order, num_vrows, nnz_pad, bh, values, probs, row_scale, scale); break;
+    case 16: launch<V, 16>(row_ptr, col_idx, row_order, num_vrows, nnz_pad, bh, values, probs, row_scale, scale); break;
+    case 8: launch<V, 8>(row_ptr, col_idx, row_order, num_vrows, nnz_pad, bh, values, probs, row_scale, scale); break;
+    default: launch<V, 4>(row_ptr, col_idx, row_order, num_vrows, nnz_pad, bh, values, probs, row_scale, scale); break;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> sparse_softmax_cuda(const at::Tensor& row_ptr,
+                                                       const at::Tensor& col_idx,
+                                                       const at::Tensor& row_order,
+                                                       const at::Tensor& values, int64_t v,
+                                                       double scale, int64_t out_bits) {
+  TORCH_CHECK(v == 2 || v == 4 || v == 8, "sparse_softmax: v must be 2, 4 or 8, got ", v);
+  TORCH_CHECK(out_bits == 0 || out_bits == 16 || out_bits == 8 || out_bits == 4,
+              "sparse_softmax: out_bits must be 0, 16, 8 or 4, got ", out_bits);
+  TORCH_CHECK(values.is_cuda(), "sparse_softmax: values must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(values.device());
+  for (const auto* p : {&row_ptr, &col_idx, &row_order}) {
+    TORCH_CHECK(p->device() == values.device(),
+                "sparse_softmax: row_ptr, col_idx and row_order must be on values' device");
+    TORCH_CHECK(p->scalar_type() == at::kInt && p->dim() == 1 && p->is_contiguous(),
+                "sparse_softmax: row_ptr, col_idx and row_order must be contiguous 1-D int32 tensors");
+  }
+  TORCH_CHECK(values.scalar_type() == at::kHalf && values.dim() == 2 && values.is_contiguous(),
+              "sparse_softmax: values must be a contiguous float16 [BH, nnz_pad * v] tensor");
+  TORCH_CHECK(row_ptr.numel() % 2 == 0, "sparse_softmax: row_ptr must have an even length");
+  const int64_t num_vrows = row_ptr.numel() / 2;
+  TORCH_CHECK(row_order.numel() == num_vrows, "sparse_softmax: row_order must have ", num_vrows,
+              " entries (row_ptr length / 2), got ", row_order.numel());
+  const int64_t nnz_pad = col_idx.numel();
+  TORCH_CHECK(nnz_pad % kStride == 0, "sparse_softmax: col_idx length (", nnz_pad,
+              ") must be a multiple of the stride ", kStride);
+  TORCH_CHECK(values.size(1) == nnz_pad * v, "sparse_softmax: values must have nnz_pad * v = ",
+              nnz_pad * v, " columns, got ", values.size(1));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(values.data_ptr()) % 16 == 0,
+              "sparse_softmax: values must be 16-byte aligned");
+  const int64_t bh = values.size(0);
+  TORCH_CHECK(bh <= 65535 && num_vrows < INT32_MAX, "sparse_softmax: values is too large");
+  const int64_t m = num_vrows * v;
+
+  at::Tensor probs;
+  const auto opts = values.options();
+  switch (out_bits) {
+    case 0: probs = at::empty({bh, nnz_pad * v}, opts.dtype(at::kHalf)); break;
+    case 16: probs = at::empty({bh, nnz_pad * v}, opts.dtype(at::kShort)); break;
+    case 8: probs = at::empty({bh, nnz_pad * v}, opts.dtype(at::kByte)); break;
+    default: probs = at::empty({bh, nnz_pad * v / 2}, opts.dtype(at::kByte)); break;
+  }
+  at::Tensor row_scale = at::empty({bh, m}, opts.dtype(at::kFloat));
+  if (bh == 0 || num_vrows == 0) return {probs, row_scale};
+
+  switch (v) {
+    case 2: dispatch_bits<2>(out_bits, row_ptr, col_idx, row_order, num_vrows, nnz_pad, bh, values, probs, row_scale, scale); break;
+    case 4: dispatch_bits<4>(out_bits, row_ptr, col_idx, row_order, num_vrows, nnz_pad, bh, values, probs, row_scale, scale); break;
+    default: dispatch_bits<8>(out_bits, row_ptr, col_idx, row_order, num_vrows, nnz_pad, bh, values, probs, row_scale, scale); break;
+  }
+  return {probs, row_scale};
+}
+
+}  // namespace magicube_softmax
+
+TORCH_LIBRARY_FRAGMENT(magicube_cuda, m) {
+  m.def(
+      "sparse_softmax(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor values, int v, "
+      "float scale, int out_bits) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(magicube_cuda, CUDA, m) {
+  m.impl("sparse_softmax", &magicube_softmax::sparse_softmax_cuda);
+}
