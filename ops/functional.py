@@ -85,3 +85,25 @@ def sparse_softmax(pattern: SRBCRS, values: torch.Tensor, *, scale: float = 1.0,
     """
     p = _pattern(pattern, values.device)
     return _ops.sparse_softmax(p.row_ptr, p.col_idx, p.row_order, values.contiguous(), p.v, float(scale), out_bits)
+
+
+def sparse_attention(pattern: SRBCRS, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                     softmax_scale: float, qk_bits: int = 16, p_bits: int = 0, scale_q=None, scale_k=None,
+                     scale_v=None) -> torch.Tensor:
+    """softmax(scale * Q K^T at the pattern) V in one op: the composition of sddmm, sparse_softmax
+    and spmm with the same roundings (fp16 scores, probabilities of p_bits), so that a fused
+    kernel and the three-op pipeline compute one function. query [BH, M, d], key [BH, N, d],
+    value [BH, N, dv]; integer inputs in the containers of qk_bits (int4 packed along d / dv).
+    """
+    p = _pattern(pattern, query.device)
+    if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+        raise ValueError(f"query, key, value: expected 3-D [BH, rows, d] tensors, got shapes {tuple(query.shape)}, "
+                         f"{tuple(key.shape)}, {tuple(value.shape)}")
+    if key.shape[1] != p.k:
+        raise ValueError(f"key: expected N = {p.k} rows (the pattern's columns), got shape {tuple(key.shape)}")
+    bh = query.shape[0]
+    sq, sk = _scales(scale_q, scale_k, bh, p.m, p.k, query.device)
+    dv = value.shape[2] * (2 if (qk_bits == 4 and value.dtype == torch.uint8) else 1)
+    sv = None if scale_v is None else expand_scale(scale_v, bh, dv, "scale_v", query.device)
+    return _ops.sparse_attention(p.row_ptr, p.col_idx, p.row_order, query.contiguous(), key.contiguous(),
+                                 value.contiguous(), sq, sk, sv, p.v, float(softmax_scale), qk_bits, p_bits)

@@ -28,6 +28,11 @@ SCHEMAS = {
              "Tensor? scale_a, Tensor? scale_b, int v, int bits, ScalarType out_dtype) -> Tensor",
     "sparse_softmax": "sparse_softmax(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor values, "
                       "int v, float scale, int out_bits) -> (Tensor, Tensor)",
+    # sddmm -> sparse_softmax -> spmm in one op, with the same intermediate roundings (fp16
+    # scores, quantized probabilities), so that a fused kernel computes the same function.
+    "sparse_attention": "sparse_attention(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor query, "
+                        "Tensor key, Tensor value, Tensor? scale_q, Tensor? scale_k, Tensor? scale_v, int v, "
+                        "float softmax_scale, int qk_bits, int p_bits) -> Tensor",
 }
 
 for _name, _schema in SCHEMAS.items():
@@ -141,7 +146,29 @@ def check_sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits
         raise ValueError(f"out_bits: expected one of {SOFTMAX_BITS} (0 = fp16), got {out_bits!r}")
     return values.shape[0], row_ptr.numel() // 2 * v
 
-CHECKS = {"spmm": check_spmm, "sddmm": check_sddmm, "sparse_softmax": check_sparse_softmax}
+def check_sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale_q, scale_k, scale_v, v,
+                           softmax_scale, qk_bits, p_bits):
+    quantized = isinstance(query, torch.Tensor) and query.dtype != torch.float16
+    check_sddmm(row_ptr, col_idx, row_order, query, key, scale_q, scale_k, v, qk_bits, torch.float16)
+    if quantized and (p_bits, qk_bits) not in SPMM_PAIRS:
+        raise ValueError(f"p_bits, qk_bits: the probabilities times value product must be one of the pairs "
+                         f"{SPMM_PAIRS}, got ({p_bits}, {qk_bits})")
+    if not quantized and p_bits != 0:
+        raise ValueError(f"p_bits: fp16 attention keeps fp16 probabilities (0), got {p_bits!r}")
+    bh, n = key.shape[0], key.shape[1]
+    _check_tensor("value", value, query.dtype if not quantized else container_dtype(qk_bits), 3, device=query.device)
+    if value.shape[:2] != (bh, n):
+        raise ValueError(f"value: expected shape ({bh}, {n}, d) to match key {tuple(key.shape)}, got {_describe(value)}")
+    dv = value.shape[2] * (2 if quantized and qk_bits == 4 else 1)
+    if quantized:
+        _check_tensor("scale_v", scale_v, torch.float32, shape=(bh, dv), device=query.device)
+    elif scale_v is not None:
+        raise ValueError("scale_v: fp16 inputs take no scales; pass None")
+    return bh, query.shape[1], dv
+
+
+CHECKS = {"spmm": check_spmm, "sddmm": check_sddmm, "sparse_softmax": check_sparse_softmax,
+          "sparse_attention": check_sparse_attention}
 
 # ---------------------------------------------------------------------------------------------
 # Implementations.
@@ -188,3 +215,11 @@ def _sparse_softmax_fake(row_ptr, col_idx, row_order, values, v, scale, out_bits
     else:
         probs = values.new_empty(values.shape, dtype=container_dtype(out_bits, signed=False))
     return probs, values.new_empty((bh, m), dtype=torch.float32)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::sparse_attention")
+def _sparse_attention_fake(row_ptr, col_idx, row_order, query, key, value, scale_q, scale_k, scale_v, v,
+                           softmax_scale, qk_bits, p_bits):
+    bh, m, dv = check_sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale_q, scale_k, scale_v,
+                                       v, softmax_scale, qk_bits, p_bits)
+    return query.new_empty((bh, m, dv), dtype=torch.float16)

@@ -52,6 +52,21 @@ def test_opcheck_softmax(out_bits):
     torch.library.opcheck(torch.ops.magicube.sparse_softmax.default, args)
 
 
+@pytest.mark.parametrize("p_bits, qk_bits", [(0, 16), (8, 8), (8, 4)])
+def test_opcheck_sparse_attention(p_bits, qk_bits):
+    g = torch.Generator().manual_seed(4)
+    bh, length, d, v = 2, 24, 8, 4
+    p, _ = problem(bh, length // v, length, v, 0.5, 4)
+    if p_bits == 0:
+        q, k, val = (torch.randn(bh, length, d, generator=g).half() for _ in range(3))
+        scales = (None, None, None)
+    else:
+        q, k, val = (to_container(random_ints((bh, length, d), qk_bits, True, g), qk_bits) for _ in range(3))
+        scales = (torch.rand(bh, length), torch.rand(bh, length), torch.rand(bh, d))
+    args = (p.row_ptr, p.col_idx, p.row_order, q, k, val, *scales, v, d ** -0.5, qk_bits, p_bits)
+    torch.library.opcheck(torch.ops.magicube.sparse_attention.default, args)
+
+
 def test_torch_compile_traces_the_pipeline():
     p, args = _sddmm_args()
     _, (*_, a, b, sa, sb, _, _, _) = None, args

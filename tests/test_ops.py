@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import problem, random_ints
-from magicube.ops import (SDDMM_BITS, SPMM_PAIRS, absmax_scale, from_container, quantize, sddmm, sparse_softmax,
-                          spmm, to_container)
+from magicube.ops import (SDDMM_BITS, SPMM_PAIRS, absmax_scale, from_container, quantize, sddmm, sparse_attention,
+                          sparse_softmax, spmm, to_container)
 
 V = st.sampled_from([2, 4, 8])
 SPMM_KINDS = [(a, b, True) for a, b in SPMM_PAIRS] + [(a, b, False) for a, b in SPMM_PAIRS if a != 12]
@@ -144,3 +144,36 @@ def test_quantized_attention_pipeline_matches_fp64_attention():
     att = (q.double() @ k.double().transpose(1, 2) * d ** -0.5).masked_fill(~emask, float("-inf"))
     ref = torch.softmax(att, -1).nan_to_num(0.0) @ val.double()
     assert (out.double() - ref).norm() / ref.norm() < 0.05
+
+
+@pytest.mark.parametrize("p_bits, qk_bits", [(0, 16), (16, 8), (8, 8), (8, 4), (4, 4), (16, 16)])
+def test_sparse_attention_is_the_three_op_pipeline(p_bits, qk_bits):
+    g = torch.Generator().manual_seed(p_bits + qk_bits)
+    bh, length, d, v = 3, 40, 12, 2
+    p, emask = problem(bh, length // v, length, v, 0.7, 5)
+    fp16 = p_bits == 0
+    if fp16:
+        q, k, val = (torch.randn(bh, length, d, generator=g).half() for _ in range(3))
+        scales = dict(scale_q=None, scale_k=None, scale_v=None)
+    else:
+        q, k, val = (to_container(random_ints((bh, length, d), qk_bits, True, g), qk_bits) for _ in range(3))
+        scales = dict(scale_q=torch.rand(bh, length, generator=g) / 2 ** qk_bits,
+                      scale_k=torch.rand(bh, length, generator=g) / 2 ** qk_bits,
+                      scale_v=torch.rand(bh, d, generator=g) / 2 ** qk_bits)
+    out = sparse_attention(p, q, k, val, softmax_scale=d ** -0.5, qk_bits=qk_bits, p_bits=p_bits, **scales)
+    s = sddmm(p, q, k, bits=qk_bits, scale_a=scales["scale_q"], scale_b=scales["scale_k"])
+    probs, rs = sparse_softmax(p, s, scale=d ** -0.5, out_bits=p_bits)
+    if fp16:
+        expected = spmm(p, probs, val)
+    else:
+        expected = spmm(p, probs, val, a_bits=p_bits, a_signed=False, b_bits=qk_bits, scale_a=rs,
+                        scale_b=scales["scale_v"])
+    assert out.dtype == torch.float16 and torch.equal(out, expected)
+    assert bool((out[:, ~emask.any(-1)] == 0).all())  # rows with nothing kept are zero
+
+
+def test_sparse_attention_rejects_a_pair_the_spmm_lacks():
+    p, _ = problem(1, 2, 8, 4, 0.5, 0)
+    q = torch.zeros(1, 8, 4, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"p_bits, qk_bits: .* got \(4, 8\)"):
+        sparse_attention(p, q, q, q, softmax_scale=1.0, qk_bits=8, p_bits=4, scale_q=1.0, scale_k=1.0, scale_v=1.0)
