@@ -93,8 +93,8 @@ def load(family: str) -> None:
     cpp_extension.load(
         name=name,
         sources=[str(s) for s in srcs],
-        extra_cuda_cflags=["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", *_arch_flags()],
-        extra_cflags=["-O3", "-std=c++17"],
+        extra_cuda_cflags=["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", *_arch_flags()],
+        extra_cflags=["-O3", "-std=c++20"],
         extra_include_paths=_include_paths(),
         build_directory=build_dir,
         is_python_module=False,
