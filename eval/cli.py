@@ -1,7 +1,163 @@
-"""The `magicube` command."""
+"""The `magicube` command: data, train, evaluate, demo (finetune and bench are not built yet)."""
+from __future__ import annotations
+
+import argparse
+import shutil
 import sys
+import time
+from pathlib import Path
 
 
-def main(argv=None):
-    print("magicube: nothing built yet", file=sys.stderr)
-    return 2
+def _cmd_data(args) -> int:
+    from magicube.train import data, imdb, listops
+    from magicube.train.config import load_config
+
+    if args.what == "listops":
+        cfg = load_config(args.config, args.overrides)["data"]
+        if cfg.get("task") != "listops":
+            raise SystemExit(f"config {args.config!r} is a {cfg.get('task')!r} task, not listops")
+        spec = data.listops_spec(cfg)
+        out = Path(args.out or cfg.get("path") or "data/listops")
+        t0 = time.time()
+        print(f"generating ListOps {spec} into {out} ...", flush=True)
+        paths = listops.write_splits(out, spec)
+        for split, p in paths.items():
+            print(f"  {p}  ({len(listops.read_tsv(p)[1])} examples)")
+        print(f"done in {time.time() - t0:.1f} s")
+        return 0
+    src = imdb.find_imdb(args.path)
+    t0 = time.time()
+    reviews = imdb.read_imdb(src)
+    for split, d in reviews.items():
+        n = len(d["label"])
+        print(f"{split}: {n} reviews, {sum(d['label'])} positive, {sum(map(len, d['text'])) / max(n, 1):.0f} bytes "
+              "on average")
+    print(f"IMDB at {src} is complete ({time.time() - t0:.1f} s)")
+    return 0
+
+
+def _cmd_train(args) -> int:
+    from magicube.train.config import load_config
+    from magicube.train.trainer import train
+
+    cfg = load_config(args.config, args.overrides)
+    summary = train(cfg, resume=not args.no_resume, progress=not args.no_progress)
+    print(f"trained to step {summary['step']} in {summary['seconds']} s; eval accuracy {summary['eval_accuracy']}; "
+          f"checkpoint {summary['checkpoint']}")
+    return 0
+
+
+def _cmd_evaluate(args) -> int:
+    from magicube.eval.evaluate import evaluate, to_markdown, write_report
+
+    report = evaluate(args.checkpoint, backends=args.backends, split=args.split, batch_size=args.batch_size,
+                      max_batches=args.max_batches, progress=not args.no_progress)
+    out = args.out or Path(report["checkpoint"]).parent.parent / f"eval_{report['split']}"
+    md, js = write_report(report, out)
+    print(to_markdown(report))
+    print(f"written to {md} and {js}")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    import torch
+
+    from magicube.eval.evaluate import evaluate, to_markdown, write_report
+    from magicube.ops import extension
+    from magicube.train.config import load_config
+    from magicube.train.trainer import train
+
+    cfg = load_config(args.config, [f"out_dir={args.out_dir}", *args.overrides])
+    run_dir = Path(cfg["out_dir"])
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    kernels = "the CUDA kernels" if extension.available() else "the reference ops (no GPU)"
+    print(f"magicube demo: {cfg['data']['task']} / {cfg['name']} on {device}; sparse attention runs {kernels}")
+    if not args.resume:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    t0 = time.time()
+    summary = train(cfg, resume=args.resume, progress=not args.no_progress)
+    t_train = time.time() - t0
+    report = evaluate(run_dir, progress=not args.no_progress)
+    md, js = write_report(report, run_dir / f"eval_{report['split']}")
+    print()
+    print(to_markdown(report))
+    print(f"training {t_train:.0f} s ({summary['step']} steps), evaluation {time.time() - t0 - t_train:.0f} s; "
+          f"results in {md} and {js}")
+    return 0
+
+
+def _not_built(what: str, extra: str = ""):
+    def run(args) -> int:
+        print(f"magicube {what}: not built yet.{extra}", file=sys.stderr)
+        return 2
+    return run
+
+
+NOT_BUILT = ("finetune", "bench")  # their arguments are not defined yet, so any are accepted
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="magicube", description="Sparse, quantized attention: LRA data, training, "
+                                "evaluation.")
+    sub = p.add_subparsers(dest="command", required=True)
+    overrides = {"nargs": "*", "default": [], "metavar": "KEY=VALUE",
+                 "help": "config overrides, e.g. train.steps=100 model.attention=dense"}
+
+    d = sub.add_parser("data", help="generate ListOps TSVs or check the IMDB archive")
+    dsub = d.add_subparsers(dest="what", required=True)
+    dl = dsub.add_parser("listops", help="write basic_{train,val,test}.tsv as the config's data.generate says")
+    dl.add_argument("--config", default="lra_listops")
+    dl.add_argument("--out", help="folder for the TSVs (default: the config's data.path)")
+    dl.add_argument("overrides", **overrides)
+    di = dsub.add_parser("imdb", help="read the IMDB archive or folder once and report what is there")
+    di.add_argument("--path", help="aclImdb_v1.tar.gz or the aclImdb folder (default: $MAGICUBE_IMDB, ../shared/data)")
+    d.set_defaults(func=_cmd_data)
+
+    t = sub.add_parser("train", help="train from a YAML config (resumes from the last checkpoint)")
+    t.add_argument("--config", required=True, help="a built-in config name (tiny, lra_text, lra_listops) or a path")
+    t.add_argument("--no-resume", action="store_true", help="start from scratch even if checkpoints exist")
+    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("overrides", **overrides)
+    t.set_defaults(func=_cmd_train)
+
+    f = sub.add_parser("finetune", help="quantization-aware finetuning (not built yet)")
+    f.set_defaults(func=_not_built("finetune"))
+
+    e = sub.add_parser("evaluate", help="test accuracy of a checkpoint under each attention backend")
+    e.add_argument("checkpoint", help="a checkpoint folder or a run folder (its latest checkpoint)")
+    e.add_argument("--backends", nargs="+", help="dense sparse-masked sparse 16b-8b 8b-8b 8b-4b (default: the config's)")
+    e.add_argument("--split", help="default: the config's eval.split (test)")
+    e.add_argument("--batch-size", type=int)
+    e.add_argument("--max-batches", type=int, help="evaluate only the first N batches")
+    e.add_argument("--out", help="report path without suffix (.md and .json are written)")
+    e.add_argument("--no-progress", action="store_true")
+    e.set_defaults(func=_cmd_evaluate)
+
+    b = sub.add_parser("bench", help="end-to-end latency benchmark (not built yet)")
+    b.set_defaults(func=_not_built("bench", " Kernel benchmarks: python -m magicube.eval.bench_spmm and "
+                                            "python -m magicube.eval.bench_sddmm."))
+
+    m = sub.add_parser("demo", help="generate a small ListOps set, train the tiny config, evaluate every backend")
+    m.add_argument("--config", default="tiny")
+    m.add_argument("--out-dir", default="runs/demo")
+    m.add_argument("--resume", action="store_true", help="continue a previous demo run instead of starting over")
+    m.add_argument("--no-progress", action="store_true")
+    m.add_argument("overrides", **overrides)
+    m.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command not in NOT_BUILT:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"magicube {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

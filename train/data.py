@@ -29,11 +29,16 @@ def listops_spec(cfg: dict) -> listops.ListOpsSpec:
 
 
 def prepare_listops(cfg: dict) -> Path:
-    """The ListOps folder; generated from cfg['generate'] when missing and auto_generate is set."""
+    """The ListOps folder; with auto_generate, (re)generated unless it holds exactly cfg['generate']."""
     directory = Path(cfg.get("path") or "data/listops")
-    missing = [s for s in listops.SPLITS if not listops.tsv_path(directory, s).is_file()]
-    if missing and cfg.get("auto_generate"):
-        listops.write_splits(directory, listops_spec(cfg))
+    if cfg.get("auto_generate"):
+        spec = listops_spec(cfg)
+        record = directory / "spec.json"
+        want = json.dumps(asdict(spec), sort_keys=True)
+        missing = [s for s in listops.SPLITS if not listops.tsv_path(directory, s).is_file()]
+        if missing or not record.is_file() or record.read_text() != want:
+            listops.write_splits(directory, spec)
+            record.write_text(want)
     return directory
 
 
@@ -98,14 +103,18 @@ def build_datasets(cfg: dict, length: int):
                                   "label": datasets.Value("int64")})
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    datasets.disable_progress_bars()
-    for s in splits:
-        t = tables[s] if limit is None else {k: v[:limit] for k, v in tables[s].items()}
-        ds = datasets.Dataset.from_dict(t)
-        ds = ds.map(_encode_batch(length, encode), batched=True, batch_size=1000,
-                    remove_columns=[c for c in ds.column_names if c != "label"], features=features)
-        ds.save_to_disk(str(tmp / s))
-    datasets.enable_progress_bars()
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # seconds of work: the training bar is the one to watch
+    try:
+        for s in splits:
+            t = tables[s] if limit is None else {k: v[:limit] for k, v in tables[s].items()}
+            ds = datasets.Dataset.from_dict(t)
+            ds = ds.map(_encode_batch(length, encode), batched=True, batch_size=1000,
+                        remove_columns=[c for c in ds.column_names if c != "label"], features=features)
+            ds.save_to_disk(str(tmp / s))
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     (tmp / "done").write_text(json.dumps({"task": task, "length": length, "limit": limit}))
     shutil.rmtree(cache, ignore_errors=True)
     os.replace(tmp, cache)

@@ -1,0 +1,144 @@
+"""The LRA classifier: attention backends against each other, masks, save/load."""
+import pytest
+import torch
+
+from magicube.model.lra import LRAClassifier, LRAConfig
+from magicube.model.masks import layer_mask, structured_vector_mask
+
+
+def small_config(**kw):
+    base = dict(vocab_size=16, num_classes=10, max_len=64, emb_dim=32, num_heads=2, num_layers=2, mlp_dim=64,
+                dropout=0.0, attention_dropout=0.0, attention="sparse", mask_kind="random", sparsity=0.7, v=8)
+    return LRAConfig(**{**base, **kw})
+
+
+def attention_reference(attn, q, k, v):
+    """softmax over the kept entries in fp64, rows with nothing kept -> 0."""
+    keep = attn.mask.repeat_interleave(attn.config.v, 0)
+    s = (q.double() @ k.double().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    p = torch.softmax(s.masked_fill(~keep, float("-inf")), -1).nan_to_num(0.0)
+    return p @ v.double()
+
+
+def qkv(B=2, H=2, T=64, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, T, d, generator=g) for _ in range(3)]
+
+
+@pytest.mark.parametrize("v", [2, 4, 8])
+@pytest.mark.parametrize("kind", ["random", "structured"])
+def test_masked_and_ops_paths_compute_the_same_function(v, kind):
+    model = LRAClassifier(small_config(v=v, mask_kind=kind, window=4))
+    attn = model.blocks[0].attn
+    attn.mask[1] = False  # a vector row with nothing kept
+    attn._patterns.clear()
+    q, k, val = qkv()
+    ref = attention_reference(attn, q, k, val)
+    masked = attn.masked(q, k, val, 0.0)
+    ops_out = attn.sparse_ops(q, k, val).float()
+    torch.testing.assert_close(masked.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ops_out.double(), ref, atol=5e-3, rtol=5e-3)  # fp16 inputs and output
+    rows = slice(v, 2 * v)
+    assert masked[..., rows, :].abs().max() == 0 and ops_out[..., rows, :].abs().max() == 0
+
+
+def test_model_logits_agree_across_sparse_paths():
+    torch.manual_seed(0)
+    model = LRAClassifier(small_config()).eval()
+    x = torch.randint(1, 16, (3, 50))
+    with torch.no_grad():
+        model.set_attention("sparse", "masked")
+        masked = model(x).logits
+        model.set_attention("sparse", "ops")
+        ops_logits = model(x).logits
+        model.set_attention("dense")
+        dense = model(x).logits
+    torch.testing.assert_close(ops_logits, masked, atol=2e-2, rtol=2e-2)
+    assert (dense - masked).abs().max() > 1e-3  # the mask matters
+
+
+@pytest.mark.parametrize("backend, tol", [("16b-8b", 0.03), ("8b-8b", 0.04), ("8b-4b", 0.3)])
+def test_quantized_backends_close_to_fp(backend, tol):
+    model = LRAClassifier(small_config())
+    attn = model.blocks[0].attn
+    q, k, v = qkv(seed=1)
+    ref = attention_reference(attn, q, k, v).float()
+    model.set_attention(backend)
+    out = attn.sparse_ops(q, k, v).float()
+    rel = (out - ref).norm() / ref.norm()
+    assert rel < tol, f"{backend}: relative error {rel:.4f}"
+    if backend == "8b-4b":
+        model.set_attention("8b-8b")
+        assert rel > (attn.sparse_ops(q, k, v).float() - ref).norm() / ref.norm()  # fewer bits, more error
+
+
+def test_training_path_and_gradients():
+    torch.manual_seed(0)
+    model = LRAClassifier(small_config()).train()
+    model.blocks[1].attn.mask[0] = False  # an empty row must not poison the gradients
+    x, y = torch.randint(1, 16, (4, 63)), torch.randint(0, 10, (4,))
+    out = model(x, labels=y)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model.set_attention("8b-8b")
+    with pytest.raises(RuntimeError, match="no backward"):
+        model(x, labels=y)
+
+
+def test_masks():
+    m = structured_vector_mask(128, 8, 0.8, window=8, seed=0)
+    assert m.mask.shape == (16, 128)
+    assert m.mask[0].all() and m.mask[:, 0].all()  # global CLS row and column
+    assert all(m.mask[i, max(0, 8 * i - 8):8 * i + 16].all() for i in range(16))  # local window
+    budget = round(0.2 * 128)
+    assert (m.mask.sum(1)[1:] == budget).all()
+    assert torch.equal(m.mask, structured_vector_mask(128, 8, 0.8, window=8, seed=0).mask)
+    r = layer_mask("random", 128, 8, 0.9, seed=0)
+    assert (r.mask.sum(1) == round(0.1 * 128)).all()
+    model = LRAClassifier(small_config(num_layers=3))
+    masks = [b.attn.mask for b in model.blocks]
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+    with pytest.raises(ValueError, match="multiple of the vector length"):
+        small_config(max_len=60)
+    with pytest.raises(ValueError, match="attention"):
+        small_config(attention="fancy")
+
+
+def test_save_load_roundtrip(tmp_path):
+    torch.manual_seed(0)
+    model = LRAClassifier(small_config(mask_kind="structured", mask_seed=5)).eval()
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+    loaded = LRAClassifier.from_pretrained(tmp_path).eval()
+    assert loaded.config.mask_kind == "structured" and loaded.config.mask_seed == 5
+    for a, b in zip(model.state_dict().values(), loaded.state_dict().values()):
+        assert torch.equal(a, b)
+    x = torch.randint(1, 16, (2, 63))
+    with torch.no_grad():
+        for backend in ("dense", "sparse", "8b-4b"):
+            model.set_attention(backend)
+            loaded.set_attention(backend)
+            assert torch.equal(model(x).logits, loaded(x).logits)
+
+
+def test_loaded_mask_replaces_the_generated_one(tmp_path):
+    model = LRAClassifier(small_config())
+    model.blocks[0].attn.mask[2:4] = False
+    model.save_pretrained(tmp_path)
+    loaded = LRAClassifier.from_pretrained(tmp_path)
+    attn = loaded.blocks[0].attn
+    assert torch.equal(attn.mask, model.blocks[0].attn.mask)
+    assert not attn.pattern(torch.device("cpu")).vector_mask().mask[2:4].any()
+    fresh = LRAClassifier(small_config())
+    fresh.blocks[0].attn.pattern(torch.device("cpu"))  # cached before the load
+    fresh.load_state_dict(model.state_dict())
+    assert not fresh.blocks[0].attn.pattern(torch.device("cpu")).vector_mask().mask[2:4].any()
+
+
+def test_input_checks():
+    model = LRAClassifier(small_config())
+    with pytest.raises(ValueError, match="at most 63"):
+        model(torch.zeros(1, 64, dtype=torch.long))
+    mean = LRAClassifier(small_config(pool="mean"))
+    assert mean.config.input_len == 64 and mean(torch.ones(2, 64, dtype=torch.long)).logits.shape == (2, 10)

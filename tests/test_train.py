@@ -1,0 +1,101 @@
+"""Training: configs, schedule, batching, checkpoints, and resume equivalence."""
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from magicube.train.config import apply_overrides, config_names, load_config
+from magicube.train.trainer import batch_indices, latest_checkpoint, lra_lr_lambda, train
+
+TINY_OVERRIDES = [
+    "data.generate.num_train=256", "data.generate.num_val=32", "data.generate.num_test=32",
+    "data.generate.max_length=60", "model.max_len=64", "model.emb_dim=32", "model.mlp_dim=64",
+    "model.dropout=0.1", "model.attention_dropout=0.1", "train.batch_size=16", "train.warmup=4",
+    "train.log_every=2", "train.eval_every=4", "train.checkpoint_every=4", "train.keep_checkpoints=null",
+]
+
+
+def tiny_cfg(tmp_path, name, *extra):
+    return load_config("tiny", [*TINY_OVERRIDES, f"data.path={tmp_path / 'listops'}",
+                                f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / name}", *extra])
+
+
+def test_configs_load_by_name_and_path(tmp_path):
+    assert {"tiny", "lra_text", "lra_listops"} <= set(config_names())
+    text = load_config("lra_text")
+    m, t = text["model"], text["train"]
+    assert (m["max_len"], m["num_layers"], m["num_heads"], m["emb_dim"], m["mlp_dim"], m["sparsity"], m["v"]) == \
+        (4096, 4, 4, 256, 1024, 0.9, 8)
+    assert (t["lr"], t["warmup"], t["batch_size"], t["steps"], t["betas"], t["weight_decay"]) == \
+        (0.05, 8000, 32, 20000, [0.9, 0.98], 0.1)
+    lo = load_config("lra_listops")
+    assert lo["model"]["max_len"] == 2000 and lo["data"]["task"] == "listops"
+    p = tmp_path / "mine.yaml"
+    p.write_text("a: {b: 1}\n")
+    assert load_config(str(p), ["a.c=[1, 2]", "a.b=x"]) == {"a": {"b": "x", "c": [1, 2]}}
+    with pytest.raises(FileNotFoundError, match="tiny"):
+        load_config("no_such_config")
+    with pytest.raises(ValueError, match="dotted.key=value"):
+        apply_overrides({}, ["nonsense"])
+
+
+def test_lra_schedule():
+    f = lra_lr_lambda(100)
+    assert f(0) == pytest.approx(0.01 / 10)
+    assert f(49) == pytest.approx(0.5 / 10)
+    assert f(99) == pytest.approx(1 / 10)  # peak = lr / sqrt(warmup)
+    assert f(399) == pytest.approx(1 / math.sqrt(400))
+
+
+def test_batches_are_a_function_of_the_step():
+    b = [batch_indices(s, 100, 32, seed=0) for s in range(3)]
+    assert torch.equal(b[1], batch_indices(1, 100, 32, seed=0))
+    assert len(set(torch.cat(b).tolist())) == 96  # one epoch without repeats
+    assert not torch.equal(batch_indices(3, 100, 32, 0), b[0])  # next epoch reshuffled
+
+
+def _weights(ckpt):
+    return load_file(ckpt / "model.safetensors")
+
+
+def _records(run):
+    return [{k: v for k, v in json.loads(line).items() if k != "elapsed_s"}
+            for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_matches_uninterrupted_run(tmp_path):
+    full = train(tiny_cfg(tmp_path, "full", "train.steps=12"), progress=False)
+    assert full["step"] == 12
+
+    cfg = tiny_cfg(tmp_path, "cut", "train.steps=12")
+    cut = train(cfg, progress=False, stop_after=6)  # interrupted between checkpoints 4 and 8
+    assert cut["step"] == 6 and latest_checkpoint(tmp_path / "cut").name == "step_0000004"
+    # a crash while writing a checkpoint leaves only a temporary folder, which resume ignores
+    (tmp_path / "cut" / "checkpoints" / ".tmp_step_0000008").mkdir()
+    resumed = train(cfg, progress=False)
+    assert resumed["step"] == 12
+
+    a, b = tmp_path / "full" / "checkpoints" / "step_0000012", tmp_path / "cut" / "checkpoints" / "step_0000012"
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    oa = torch.load(a / "optimizer.pt", weights_only=True)["state"]
+    ob = torch.load(b / "optimizer.pt", weights_only=True)["state"]
+    assert all(torch.equal(oa[i]["exp_avg_sq"], ob[i]["exp_avg_sq"]) for i in oa)
+    assert _records(tmp_path / "full") == _records(tmp_path / "cut")  # no duplicated or lost log lines
+    assert full["eval_accuracy"] == resumed["eval_accuracy"]
+
+
+def test_checkpoint_contents_and_retention(tmp_path):
+    train(tiny_cfg(tmp_path, "run", "train.steps=8", "train.keep_checkpoints=1"), progress=False)
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000008"]
+    ckpt = root / "step_0000008"
+    assert {"model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json",
+            "run_config.yaml"} <= {p.name for p in ckpt.iterdir()}
+    assert json.loads((ckpt / "state.json").read_text()) == {"step": 8}
+    assert any(k.endswith("attn.mask") for k in _weights(ckpt))
+    recs = _records(tmp_path / "run")
+    assert [r["step"] for r in recs if "eval_accuracy" in r] == [4, 8]
+    assert all(r["lr"] > 0 for r in recs if "lr" in r)
