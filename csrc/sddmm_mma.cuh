@@ -43,13 +43,19 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1,
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Loads LB bytes at byte offset `off` of a row of `row_bytes` bytes, in units
-// of AL bytes (AL divides row_bytes and the row's address), zero past the end.
+// Loads LB bytes at byte offset `off` (a multiple of LB) of a row of
+// `row_bytes` bytes, in units of min(AL, LB) bytes (AL divides row_bytes and
+// the row's address), zero past the end.
 template <int LB, int AL>
 __device__ __forceinline__ void load_row_bytes(uint32_t (&dst)[LB / 4], const uint8_t* row,
                                                int off, int row_bytes) {
-  static_assert(LB % 4 == 0 && (AL == 1 || AL == 2 || AL == 4 || AL == 16), "bad load shape");
-  if constexpr (AL == 16) {
+  static_assert(LB % 4 == 0 && (AL != 16 || LB == 8 || LB % 16 == 0) && (AL == 1 || AL == 2 || AL == 4 || AL == 16), "bad load shape");
+  if constexpr (AL == 16 && LB == 8) {
+    uint2 v = make_uint2(0, 0);
+    if (off + 8 <= row_bytes) v = *reinterpret_cast<const uint2*>(row + off);
+    dst[0] = v.x;
+    dst[1] = v.y;
+  } else if constexpr (AL == 16) {
 #pragma unroll
     for (int u = 0; u < LB / 16; ++u) {
       uint4 v = make_uint4(0, 0, 0, 0);

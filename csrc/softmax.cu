@@ -121,7 +121,8 @@ __global__ void __launch_bounds__(kWarps * 32)
       const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(&mine[u][lane]));
       const void* src = o >= 0 ? static_cast<const void*>(vbase + o) : static_cast<const void*>(vbase);
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                   "r"(o >= 0 ? 16 : 0));
+                   "r"(o >= 0 ? 16 : 0)
+                 : "memory");
     }
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
   };
@@ -163,14 +164,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   constexpr float kQmax = Store<OUT_BITS>::kQmax;
   const int64_t out_row = bh * static_cast<int64_t>(num_vrows) * V + static_cast<int64_t>(vrow) * V + r;
   if (grp == 0 && bo == 0) {
-    float rs;
-    if (count == 0) {
-      rs = 0.f;
-    } else if constexpr (OUT_BITS == 0) {
-      rs = 1.f;
-    } else {
-      rs = 1.f / (sum * kQmax);
-    }
+    // fp16 probabilities carry no scale (ones, empty rows included); a quantized
+    // empty row gets 0, never 1 / 0.
+    float rs = 1.f;
+    if constexpr (OUT_BITS != 0) rs = count == 0 ? 0.f : 1.f / (sum * kQmax);
     row_scale[out_row] = rs;
   }
 

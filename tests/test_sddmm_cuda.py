@@ -1,0 +1,147 @@
+"""The CUDA SDDMM kernels against the reference (the CPU implementation of magicube::sddmm).
+
+Integer results are compared bit-exactly: the int64 accumulators, and the fp16 output, which
+the contract defines as one fp32 multiply of the exact accumulator and one rounding. The
+fp16 x fp16 kernel accumulates in fp32 in another order than the reference, so it is held to
+the error bound of an fp32 dot product plus one fp16 rounding, against a float64 product.
+"""
+
+import pytest
+import torch
+
+from conftest import problem, random_ints
+from magicube.ops import SRBCRS, VectorMask, qrange, to_container
+from magicube.ops.format import value_coordinates
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# (BH, M/V, K, N): K = 40 / 72 leave a partial 64-wide k chunk and 8-byte aligned rows,
+# K = 33 (odd) byte-aligned rows, N is never a multiple of 32; every pattern has an empty
+# vector row and a full one (conftest.awkward_mask).
+SHAPES = [(1, 7, 64, 100), (3, 5, 40, 272), (1, 1, 72, 2), (3, 9, 128, 700), (2, 4, 33, 45), (1, 3, 32, 2200)]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from magicube.ops import extension
+
+    extension.load("sddmm")
+    return torch.ops.magicube_cuda
+
+
+def _poison():
+    """Leave a freed block of garbage for the caching allocator to hand out next."""
+    junk = torch.full((1 << 22,), -0x5A5A5A5A5A5A5A5A, dtype=torch.int64, device="cuda")
+    del junk
+
+
+def _run(kernels, p, a, b, sa, sb, v, bits, out_dtype):
+    cuda = p.to("cuda")
+    dev = [x.cuda() if x is not None else None for x in (a, b, sa, sb)]
+    _poison()
+    got = kernels.sddmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev, v, bits, out_dtype)
+    torch.cuda.synchronize()
+    want = torch.ops.magicube.sddmm(p.row_ptr, p.col_idx, p.row_order, a, b, sa, sb, v, bits, out_dtype)
+    return got.cpu(), want
+
+
+def _k_for(bits, k):
+    return k + (k % 2) if bits == 4 else k
+
+
+def _scales(bh, m, n, g, bits):
+    return ((torch.rand(bh, m, generator=g) + 0.01) / 2 ** (bits - 1),
+            (torch.rand(bh, n, generator=g) + 0.01) / 2 ** (bits - 1))
+
+
+@pytest.mark.parametrize("v", [2, 4, 8])
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_integer_exact(kernels, bits, v):
+    for i, (bh, rows, k, n) in enumerate(SHAPES):
+        k = _k_for(bits, k)
+        g = torch.Generator().manual_seed(100 * i + v + bits)
+        p, _ = problem(bh, rows, n, v, 0.5 + 0.08 * i, seed=i, shuffle=bool(i % 2))
+        a = to_container(random_ints((bh, p.m, k), bits, True, g), bits)
+        b = to_container(random_ints((bh, n, k), bits, True, g), bits)
+        got, want = _run(kernels, p, a, b, None, None, v, bits, torch.int64)
+        assert got.dtype == torch.int64 and got.shape == want.shape
+        assert torch.equal(got, want), f"shape {(bh, rows, k, n)}: {(got != want).sum()} mismatches"
+
+        sa, sb = _scales(bh, p.m, n, g, bits)
+        got, want = _run(kernels, p, a, b, sa, sb, v, bits, torch.float16)
+        assert got.dtype == torch.float16 and not got.isnan().any()
+        assert torch.equal(got, want), f"shape {(bh, rows, k, n)}: dequantized output differs"
+
+
+@pytest.mark.parametrize("v", [2, 8])
+@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("ends", ["min-min", "max-max", "min-max"])
+def test_extremes(kernels, bits, v, ends):
+    """Every element at the ends of its range; K = 4096 drives the 16-bit sums past 2^40."""
+    lo, hi = qrange(bits)
+    fa, fb = {"min-min": (lo, lo), "max-max": (hi, hi), "min-max": (lo, hi)}[ends]
+    for bh, rows, k, n in [(1, 2, 4096, 70), (3, 3, 96, 40)]:
+        p, _ = problem(bh, rows, n, v, 0.5, seed=7)
+        a = to_container(torch.full((bh, p.m, k), fa, dtype=torch.int64), bits)
+        b = to_container(torch.full((bh, n, k), fb, dtype=torch.int64), bits)
+        got, want = _run(kernels, p, a, b, None, None, v, bits, torch.int64)
+        assert torch.equal(got, want)
+        sa = torch.full((bh, p.m), 0.5 ** 10)
+        sb = torch.full((bh, n), 0.5 ** (2 * bits))
+        got, want = _run(kernels, p, a, b, sa, sb, v, bits, torch.float16)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("v", [2, 4, 8])
+def test_fp16_within_fp32_accumulation_bound(kernels, v):
+    for i, (bh, rows, k, n) in enumerate(SHAPES):
+        g = torch.Generator().manual_seed(i + v)
+        p, _ = problem(bh, rows, n, v, 0.6, seed=i, shuffle=bool(i % 2))
+        a = torch.randn(bh, p.m, k, generator=g).half()
+        b = torch.randn(bh, n, k, generator=g).half()
+        got, want = _run(kernels, p, a, b, None, None, v, 16, torch.float16)
+        exact = p.pack_values(a.double() @ b.double().transpose(1, 2))
+        mag = p.pack_values(a.double().abs() @ b.double().abs().transpose(1, 2))
+        # fp32 sums of K products (each exact in fp32): |err| <= K * 2^-24 * sum|a b|, then one
+        # fp16 rounding; the reference obeys the same bound.
+        bound = exact.abs() * 2.0 ** -11 + mag * k * 2.0 ** -24 + 2.0 ** -24
+        assert not got.isnan().any()
+        assert ((got.double() - exact).abs() <= bound).all(), f"shape {(bh, rows, k, n)}"
+        assert ((want.double() - exact).abs() <= bound).all()
+
+
+def test_padding_is_zero_and_row_order_irrelevant(kernels):
+    bh, rows, k, n, v = 2, 6, 64, 90, 4
+    g = torch.Generator().manual_seed(3)
+    p, _ = problem(bh, rows, n, v, 0.7, seed=3, shuffle=True)
+    a = to_container(random_ints((bh, p.m, k), 8, True, g), 8)
+    b = to_container(random_ints((bh, n, k), 8, True, g), 8)
+    got, want = _run(kernels, p, a, b, None, None, v, 8, torch.int64)
+    _, col = value_coordinates(p.row_ptr, p.col_idx, v, 32)
+    assert (col < 0).any() and (got[:, col < 0] == 0).all()
+    assert torch.equal(got, want)
+    reordered = SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, p.col_idx, p.row_order.flip(0), p.shuffled)
+    got2, _ = _run(kernels, reordered, a, b, None, None, v, 8, torch.int64)
+    assert torch.equal(got2, got)
+
+
+def test_all_rows_empty(kernels):
+    v, n = 4, 50
+    p = SRBCRS.from_mask(VectorMask(torch.zeros(3, n, dtype=torch.bool), v), stride=32)
+    a = torch.zeros(2, p.m, 64, dtype=torch.int8)
+    b = torch.zeros(2, n, 64, dtype=torch.int8)
+    got, want = _run(kernels, p, a, b, None, None, v, 8, torch.int64)
+    assert got.shape == want.shape == (2, 0)
+
+
+def test_rejects_bad_arguments(kernels):
+    p, _ = problem(1, 2, 40, 8, 0.5, seed=0)
+    cuda = p.to("cuda")
+    a = torch.zeros(1, p.m, 64, dtype=torch.int8, device="cuda")
+    b = torch.zeros(1, 40, 64, dtype=torch.int16, device="cuda")
+    with pytest.raises(RuntimeError, match="b must be"):
+        kernels.sddmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, a, b, None, None, 8, 8, torch.int64)
+    with pytest.raises(RuntimeError, match="scale_a and scale_b are required"):
+        kernels.sddmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, a, b.to(torch.int8), None, None, 8, 8,
+                      torch.float16)

@@ -1,0 +1,125 @@
+"""The CUDA sparse softmax against the reference (the CPU implementation of magicube::sparse_softmax).
+
+The kernel's exp and its summation order differ from the reference's by a few ulp, so:
+quantized probabilities may differ by one, and only where the exact e * qmax lies within a
+few ulp of a .5 tie; row scales and fp16 probabilities agree to a few ulp. Padding slots are
+filled with garbage in the inputs, which the kernel must ignore (col_idx == -1).
+"""
+
+import math
+
+import pytest
+import torch
+
+from conftest import problem
+from magicube.ops import SRBCRS, VectorMask, from_container
+from magicube.ops.format import value_coordinates
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# (BH, M/V, N): the full row of N = 2200 has more than 16 warp steps for every V (the
+# streamed path); N = 45, 100 give a partial last block; every pattern has an empty row.
+SHAPES = [(1, 7, 100), (3, 5, 272), (1, 1, 2), (2, 9, 700), (1, 3, 2200), (3, 4, 45)]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from magicube.ops import extension
+
+    extension.load("softmax")
+    return torch.ops.magicube_cuda
+
+
+def _values(p, bh, g, spread=4.0):
+    """Scores on the kept slots, garbage (large) on the padding slots."""
+    _, col = value_coordinates(p.row_ptr, p.col_idx, p.v, 32)
+    x = torch.randn(bh, p.nnz_pad * p.v, generator=g) * spread
+    return torch.where(col < 0, torch.full_like(x, 6e4), x).half(), col
+
+
+def _run(kernels, p, values, scale, out_bits):
+    cuda = p.to("cuda")
+    junk = torch.full((1 << 22,), -1, dtype=torch.int64, device="cuda")
+    del junk
+    got, rs = kernels.sparse_softmax(cuda.row_ptr, cuda.col_idx, cuda.row_order, values.cuda(), p.v, scale,
+                                     out_bits)
+    torch.cuda.synchronize()
+    want, want_rs = torch.ops.magicube.sparse_softmax(p.row_ptr, p.col_idx, p.row_order, values, p.v, scale,
+                                                      out_bits)
+    return got.cpu(), rs.cpu(), want, want_rs
+
+
+def _exact_e(p, values, scale):
+    """exp(x - max) of every value slot in float64 (0 on padding)."""
+    row, col = value_coordinates(p.row_ptr, p.col_idx, p.v, 32)
+    keep = col >= 0
+    x = values.double() * scale
+    bh, m = values.shape[0], p.m
+    mx = x.new_full((bh, m), -math.inf).scatter_reduce(
+        1, row.expand(bh, -1), x.masked_fill(~keep, -math.inf), "amax")
+    return torch.exp(x - mx.gather(1, row.expand(bh, -1))).masked_fill(~keep, 0.0)
+
+
+@pytest.mark.parametrize("v", [2, 4, 8])
+@pytest.mark.parametrize("out_bits", [0, 16, 8, 4])
+def test_matches_reference(kernels, out_bits, v):
+    for i, (bh, rows, n) in enumerate(SHAPES):
+        g = torch.Generator().manual_seed(10 * i + v)
+        p, _ = problem(bh, rows, n, v, 0.5 + 0.07 * i, seed=i, shuffle=bool(i % 2))
+        values, col = _values(p, bh, g)
+        scale = 64 ** -0.5
+        got, rs, want, want_rs = _run(kernels, p, values, scale, out_bits)
+        assert got.dtype == want.dtype and got.shape == want.shape and rs.shape == want_rs.shape
+        assert not rs.isnan().any()
+        torch.testing.assert_close(rs, want_rs, rtol=1e-5, atol=0)
+        pad = col < 0
+        if out_bits == 0:
+            assert not got.isnan().any()
+            assert (got[:, pad] == 0).all()
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=1e-7)
+            continue
+        q, wq = from_container(got, out_bits, False), from_container(want, out_bits, False)
+        assert (q[:, pad] == 0).all()
+        diff = (q - wq).abs()
+        assert diff.max() <= 1
+        qmax = (1 << out_bits) - 1
+        t = _exact_e(p, values, scale) * qmax
+        near_tie = ((t - t.floor() - 0.5).abs() <= qmax * 2.0 ** -19 + 1e-9)
+        assert (near_tie | (diff == 0)).all(), f"shape {(bh, rows, n)}: off-by-one away from a tie"
+
+
+@pytest.mark.parametrize("out_bits", [0, 8, 4])
+def test_empty_rows(kernels, out_bits):
+    v, n = 4, 70
+    mask = torch.zeros(4, n, dtype=torch.bool)
+    mask[1, 3] = True
+    mask[3, ::2] = True
+    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
+    values = torch.randn(2, p.nnz_pad * v).half()
+    got, rs, want, want_rs = _run(kernels, p, values, 1.0, out_bits)
+    assert not rs.isnan().any() and torch.equal(rs[:, :v], want_rs[:, :v])
+    empty = torch.cat([rs[:, :v], rs[:, 2 * v:3 * v]], dim=1)
+    assert (empty == (1.0 if out_bits == 0 else 0.0)).all()
+    # The one-entry row: probability 1 (qmax) exactly.
+    if out_bits == 0:
+        assert not got.isnan().any()
+        assert torch.equal(got.float(), want.float())
+    else:
+        assert torch.equal(from_container(got, out_bits, False), from_container(want, out_bits, False))
+
+
+def test_all_rows_empty(kernels):
+    v = 8
+    p = SRBCRS.from_mask(VectorMask(torch.zeros(2, 30, dtype=torch.bool), v), stride=32)
+    values = torch.zeros(3, 0).half()
+    got, rs, want, want_rs = _run(kernels, p, values, 1.0, 8)
+    assert got.shape == want.shape and torch.equal(rs, want_rs)
+
+
+def test_rejects_bad_values(kernels):
+    p, _ = problem(1, 2, 40, 8, 0.5, seed=0)
+    cuda = p.to("cuda")
+    bad = torch.zeros(1, p.nnz_pad * 8, dtype=torch.float32, device="cuda")
+    with pytest.raises(RuntimeError, match="values must be"):
+        kernels.sparse_softmax(cuda.row_ptr, cuda.col_idx, cuda.row_order, bad, 8, 1.0, 8)
