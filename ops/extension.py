@@ -93,7 +93,9 @@ def load(family: str) -> None:
     cpp_extension.load(
         name=name,
         sources=[str(s) for s in srcs],
-        extra_cuda_cflags=["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", *_arch_flags()],
+        # --threads=0: nvcc compiles the target archs in parallel
+        extra_cuda_cflags=["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "--threads=0",
+                           *_arch_flags()],
         extra_cflags=["-O3", "-std=c++20"],
         extra_include_paths=_include_paths(),
         build_directory=build_dir,
