@@ -1,0 +1,190 @@
+// magicube_cuda::sparse_attention: sddmm -> sparse_softmax -> spmm fused into one kernel
+// (attention_kernel.cuh), with the pipeline's roundings.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAException.h>
+#include <torch/library.h>
+
+#include "attention_kernel.cuh"
+
+namespace {
+
+using magicube::attention_detail::Cfg;
+using magicube::attention_detail::Params;
+using magicube::attention_detail::kHalf;
+using magicube::attention_detail::kInt16;
+using magicube::attention_detail::kInt4;
+using magicube::attention_detail::kInt8;
+using magicube::attention_detail::kThreads;
+using magicube::attention_detail::kWarps;
+
+void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device) {
+  TORCH_CHECK(t.is_cuda(), "sparse_attention: ", name, " must be a CUDA tensor, got one on ", t.device());
+  TORCH_CHECK(t.device() == device, "sparse_attention: ", name, " is on ", t.device(), " but query is on ", device);
+  TORCH_CHECK(t.is_contiguous(), "sparse_attention: ", name, " must be contiguous");
+}
+
+// A fresh allocation is 256-byte aligned; a view with an odd storage offset is copied once so the
+// 16-byte loads and asynchronous copies stay legal.
+at::Tensor aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
+}
+
+template <int OP, int PB, int D, int DV>
+void launch(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream) {
+  using C = Cfg<OP, PB, D, DV>;
+  auto kernel = magicube::attention_detail::attention_kernel<OP, PB, D, DV>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
+  const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(bh));
+  kernel<<<grid, kThreads, C::kSmem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// One head dim for query/key and value: every (d, dv) pair would triple the instantiations (and
+// the build) for shapes attention layers do not use.
+template <int OP, int PB>
+void dispatch_dims(const Params& p, int64_t d, int64_t vrows, int64_t bh, cudaStream_t stream) {
+  switch (d) {
+    case 32: launch<OP, PB, 32, 32>(p, vrows, bh, stream); break;
+    case 64: launch<OP, PB, 64, 64>(p, vrows, bh, stream); break;
+    default: launch<OP, PB, 128, 128>(p, vrows, bh, stream); break;
+  }
+}
+
+at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order,
+                                 const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
+                                 const std::optional<at::Tensor>& scale_q, const std::optional<at::Tensor>& scale_k,
+                                 const std::optional<at::Tensor>& scale_v, int64_t v, double softmax_scale,
+                                 int64_t qk_bits, int64_t p_bits) {
+  const at::Device device = query_in.device();
+  check_cuda_tensor(query_in, "query", device);
+  const c10::cuda::CUDAGuard guard(device);
+  check_cuda_tensor(key_in, "key", device);
+  check_cuda_tensor(value_in, "value", device);
+  check_cuda_tensor(row_ptr, "row_ptr", device);
+  check_cuda_tensor(col_idx, "col_idx", device);
+  check_cuda_tensor(row_order, "row_order", device);
+  TORCH_CHECK(v == 2 || v == 4 || v == 8, "sparse_attention: v must be 2, 4 or 8, got ", v);
+  TORCH_CHECK(row_ptr.scalar_type() == at::kInt && col_idx.scalar_type() == at::kInt &&
+                  row_order.scalar_type() == at::kInt,
+              "sparse_attention: row_ptr, col_idx and row_order must be int32");
+  TORCH_CHECK(row_ptr.dim() == 1 && col_idx.dim() == 1 && row_order.dim() == 1,
+              "sparse_attention: row_ptr, col_idx and row_order must be 1-D");
+  TORCH_CHECK(row_ptr.numel() % 2 == 0, "sparse_attention: row_ptr must hold 2*(M/V) entries, got ",
+              row_ptr.numel());
+  const int64_t vrows = row_ptr.numel() / 2;
+  TORCH_CHECK(row_order.numel() == vrows, "sparse_attention: row_order must hold M/V = ", vrows, " entries, got ",
+              row_order.numel());
+  TORCH_CHECK(col_idx.numel() % 32 == 0, "sparse_attention: col_idx length ", col_idx.numel(),
+              " is not a multiple of the stride 32");
+  TORCH_CHECK(query_in.dim() == 3 && key_in.dim() == 3 && value_in.dim() == 3,
+              "sparse_attention: query, key and value must be 3-D [BH, rows, d]");
+
+  const bool fp16 = query_in.scalar_type() == at::kHalf;
+  int op;
+  if (fp16) {
+    TORCH_CHECK(key_in.scalar_type() == at::kHalf && value_in.scalar_type() == at::kHalf,
+                "sparse_attention: float16 query needs float16 key and value, got ", key_in.scalar_type(), " and ",
+                value_in.scalar_type());
+    TORCH_CHECK(qk_bits == 16 && p_bits == 0,
+                "sparse_attention: float16 inputs take qk_bits=16 and p_bits=0 (fp16 probabilities), got qk_bits=",
+                qk_bits, ", p_bits=", p_bits);
+    TORCH_CHECK(!scale_q.has_value() && !scale_k.has_value() && !scale_v.has_value(),
+                "sparse_attention: float16 inputs take no scale_q/scale_k/scale_v");
+    op = kHalf;
+  } else {
+    const bool pair_ok = (qk_bits == 8 && (p_bits == 8 || p_bits == 16)) ||
+                         (qk_bits == 4 && (p_bits == 4 || p_bits == 8 || p_bits == 16)) ||
+                         (qk_bits == 16 && p_bits == 16);
+    TORCH_CHECK(pair_ok, "sparse_attention: (p_bits, qk_bits) must be one of (8, 8), (16, 8), (4, 4), (8, 4), "
+                "(16, 4), (16, 16), got (", p_bits, ", ", qk_bits, ")");
+    const at::ScalarType want = qk_bits == 16 ? at::kShort : qk_bits == 8 ? at::kChar : at::kByte;
+    TORCH_CHECK(query_in.scalar_type() == want && key_in.scalar_type() == want && value_in.scalar_type() == want,
+                "sparse_attention: qk_bits=", qk_bits, " needs ", want, " query, key and value, got ",
+                query_in.scalar_type(), ", ", key_in.scalar_type(), ", ", value_in.scalar_type());
+    op = qk_bits == 16 ? kInt16 : qk_bits == 8 ? kInt8 : kInt4;
+  }
+
+  const int64_t bh = query_in.size(0), m = query_in.size(1), n = key_in.size(1);
+  const int64_t per_byte = op == kInt4 ? 2 : 1;
+  const int64_t d = query_in.size(2) * per_byte, dv = value_in.size(2) * per_byte;
+  TORCH_CHECK(m == vrows * v, "sparse_attention: query has ", m, " rows, the pattern M = (M/V)*V = ", vrows * v);
+  TORCH_CHECK(key_in.size(0) == bh && value_in.size(0) == bh, "sparse_attention: key and value must have BH = ", bh,
+              " like query, got ", key_in.size(0), " and ", value_in.size(0));
+  TORCH_CHECK(key_in.size(2) == query_in.size(2), "sparse_attention: key's last dim (", key_in.size(2),
+              ") must match query's (", query_in.size(2), ")");
+  TORCH_CHECK(value_in.size(1) == n, "sparse_attention: value must have N = ", n, " rows like key, got ",
+              value_in.size(1));
+  TORCH_CHECK(d == 32 || d == 64 || d == 128, "sparse_attention: head dim d of query/key must be 32, 64 or 128, got ",
+              d);
+  TORCH_CHECK(dv == d, "sparse_attention: head dim dv of value (", dv, ") must equal the head dim d of query/key (",
+              d, ")");
+  TORCH_CHECK(bh <= 65535 && vrows <= INT32_MAX && n < INT32_MAX && m < INT32_MAX,
+              "sparse_attention: BH must be <= 65535 and M, N < 2^31");
+  if (op != kHalf) {
+    // int32 accumulators: a warp sums at most ceil(ceil(N/32)/4) blocks of 32 slots; the largest
+    // per-slot term over all accumulators of a precision pair bounds N.
+    const int64_t term = (qk_bits == 16) ? 255 * 255 + 255 * 128 : 255 * 128;
+    const int64_t slots = ((n + 31) / 32 + kWarps - 1) / kWarps * 32;
+    TORCH_CHECK(slots * term < (int64_t(1) << 31), "sparse_attention: N = ", n,
+                " keys exceed the exact int32 accumulation of this precision pair");
+    for (const auto* s : {&scale_q, &scale_k, &scale_v})
+      TORCH_CHECK(s->has_value(), "sparse_attention: integer inputs need scale_q, scale_k and scale_v");
+    const std::pair<const at::Tensor*, std::pair<const char*, int64_t>> scales[] = {
+        {&*scale_q, {"scale_q", m}}, {&*scale_k, {"scale_k", n}}, {&*scale_v, {"scale_v", dv}}};
+    for (const auto& [t, info] : scales) {
+      check_cuda_tensor(*t, info.first, device);
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == bh && t->size(1) == info.second,
+                  "sparse_attention: ", info.first, " must be a float32 [BH, ", info.second, "] = [", bh, ", ",
+                  info.second, "] tensor");
+    }
+  }
+
+  at::Tensor out = at::empty({bh, m, dv}, query_in.options().dtype(at::kHalf));
+  if (bh == 0 || vrows == 0) return out;
+  if (n == 0) return out.zero_();
+  const at::Tensor query = aligned16(query_in), key = aligned16(key_in), value = aligned16(value_in);
+
+  Params p;
+  p.row_ptr = row_ptr.data_ptr<int>();
+  p.col_idx = col_idx.data_ptr<int>();
+  p.row_order = row_order.data_ptr<int>();
+  p.q = static_cast<const uint8_t*>(query.data_ptr());
+  p.k = static_cast<const uint8_t*>(key.data_ptr());
+  p.val = static_cast<const uint8_t*>(value.data_ptr());
+  p.scale_q = op == kHalf ? nullptr : scale_q->data_ptr<float>();
+  p.scale_k = op == kHalf ? nullptr : scale_k->data_ptr<float>();
+  p.scale_v = op == kHalf ? nullptr : scale_v->data_ptr<float>();
+  p.out = reinterpret_cast<__half*>(out.data_ptr());
+  p.m = static_cast<int>(m);
+  p.n = static_cast<int>(n);
+  p.v = static_cast<int>(v);
+  p.softmax_scale = static_cast<float>(softmax_scale);
+
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (op == kHalf) {
+    dispatch_dims<kHalf, 0>(p, d, vrows, bh, stream);
+  } else if (op == kInt8) {
+    if (p_bits == 8) dispatch_dims<kInt8, 8>(p, d, vrows, bh, stream);
+    else dispatch_dims<kInt8, 16>(p, d, vrows, bh, stream);
+  } else if (op == kInt4) {
+    if (p_bits == 4) dispatch_dims<kInt4, 4>(p, d, vrows, bh, stream);
+    else if (p_bits == 8) dispatch_dims<kInt4, 8>(p, d, vrows, bh, stream);
+    else dispatch_dims<kInt4, 16>(p, d, vrows, bh, stream);
+  } else {
+    dispatch_dims<kInt16, 16>(p, d, vrows, bh, stream);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(magicube_cuda, m) {
+  m.def(
+      "sparse_attention(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor query, Tensor key, Tensor value, "
+      "Tensor? scale_q, Tensor? scale_k, Tensor? scale_v, int v, float softmax_scale, int qk_bits, int p_bits) "
+      "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(magicube_cuda, CUDA, m) { m.impl("sparse_attention", &sparse_attention_cuda); }

@@ -1,0 +1,570 @@
+// Fused sparse attention on SR-BCRS: out = spmm(softmax_quantized(sddmm(Q, K)), V) in one kernel,
+// with the roundings of the three-op pipeline (fp16 scores as the SDDMM writes them, probabilities
+// quantized to p_bits unsigned or fp16, exact integer accumulation, one fp16 rounding at the end).
+//
+// One CTA = one vector row (V query rows sharing their kept keys) of one batch x head; its 4 warps
+// take the row's 32-slot blocks round-robin. Scores and probabilities never leave the SM.
+//
+// Why this shape (Hopper, L = 4096, d = 64, sparsity 0.9: ~13 blocks per row):
+// - The kernel is bound by the L2 -> SM gather of key and value rows (both heads' K and V stay in
+//   L2), not by tensor cores, so the design minimises gathered bytes: every key and value row of a
+//   block is fetched once. Scores are kept on chip, not recomputed: a warp keeps the fp16 scores
+//   of its first kCached blocks in shared memory (rows up to 4 * kCached blocks, 1024 keys, cover
+//   sparsity 0.9 up to L = 8192) and recomputes only the blocks past that, so long rows stay
+//   correct at the price of a second key gather. The shared memory (copy ring + score cache) is
+//   fixed per instantiation, so its size does not depend on the longest row: no host read of the
+//   pattern, and the launch is CUDA-graph capturable. Shared memory rather than registers keeps
+//   the block loops rolled: registers (occupancy) and code size do not grow with the cache.
+// - Softmax needs the row max before any probability can be quantized, so a warp makes two
+//   passes over its blocks: scores and the max (pass 1), then exp, quantization and the product
+//   with V (pass 2); the sum is not needed to quantize (q = rint(e * qmax) with e = exp(x - max))
+//   and is reduced at the end. fp16 probabilities (e / s) need the sum first: one extra pass over
+//   the cached scores.
+// - QK^T is computed untransposed, S (query rows x slots) = Q K^T with m16n8k32 (Q fills M, rows
+//   past V are zero), because the accumulator layout of that product is, register for register,
+//   the B operand of the transposed value product O^T = V^T P^T (dv fills M, the V query rows are
+//   n): the probabilities go from the softmax straight into the next MMA. The MMA's k order inside
+//   a block is free as long as both operands agree; the gathered value tile (slots x dv, row-major
+//   in shared memory) is transposed by ldmatrix.trans plus one byte permute, which yields exactly
+//   the slot order the probabilities already sit in.
+// - Copies are cp.async into a per-warp ring of kStages tiles, so a warp never waits on another
+//   and the next tiles (key tiles of pass 1, then value tiles of pass 2) stream in across the
+//   phase boundary.
+// Wide operands use 8-bit bit planes (16-bit: signed high byte, unsigned low byte; probabilities:
+// two unsigned bytes) recombined in int64; int4 is widened in registers (16 * value for the value
+// operand, shifted out exactly at the end).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cuda_fp16.h>
+#include <type_traits>
+
+#include "mma.cuh"
+#include "sddmm_mma.cuh"
+
+namespace magicube {
+namespace attention_detail {
+
+enum Operand : int { kInt8 = 0, kInt4 = 1, kInt16 = 2, kHalf = 3 };
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kSlots = 32;
+
+struct Params {
+  const int* row_ptr;
+  const int* col_idx;
+  const int* row_order;
+  const uint8_t* q;        // [BH, M, row bytes]
+  const uint8_t* k;        // [BH, N, row bytes]
+  const uint8_t* val;      // [BH, N, value row bytes]
+  const float* scale_q;    // [BH, M] (integer modes)
+  const float* scale_k;    // [BH, N]
+  const float* scale_v;    // [BH, DV]
+  __half* out;             // [BH, M, DV]
+  int m, n, v;
+  float softmax_scale;
+};
+
+// OP: the container of Q, K and V; PB: probability bits (0 = fp16); D, DV: head dims.
+template <int OP, int PB, int D, int DV>
+struct Cfg {
+  static constexpr bool kFp16 = OP == kHalf;
+  static constexpr int bytes(int dim) { return OP == kInt4 ? dim / 2 : OP == kInt8 ? dim : 2 * dim; }
+  static constexpr int kKeyBytes = bytes(D);
+  static constexpr int kValBytes = bytes(DV);
+  static constexpr int kLaneBytes = kKeyBytes / 4;  // a lane's run of one key row
+  static constexpr int kLaneWords = kLaneBytes / 4;
+  // +16 bytes per shared row: 8 consecutive rows of one 16-byte column hit 8 distinct bank groups.
+  static constexpr int kRowStride = (kKeyBytes > kValBytes ? kKeyBytes : kValBytes) + 16;
+  static constexpr int kStages = 3;
+  static constexpr int kTileBytes = kSlots * kRowStride;
+  static constexpr int kPPlanes = PB == 16 ? 2 : 1;
+  static constexpr int kVPlanes = OP == kInt16 ? 2 : 1;
+  static constexpr int kAccSets = kPPlanes == 2 && kVPlanes == 2 ? 3 : kPPlanes * kVPlanes;
+  static constexpr int kMT = DV / 16;
+  static constexpr int kCached = 8;
+  static constexpr int kCacheWords = 5;  // per lane and block: 4 half2 scores + the kept bits
+  static constexpr int kShift = OP == kInt4 ? 4 : 0;
+  static constexpr int kStageSmem = kWarps * kStages * kTileBytes;
+  static constexpr int kCacheSmem = kWarps * kCached * kCacheWords * 32 * 4;
+  static constexpr int kReduceSmem = kWarps * 8 * DV * (kFp16 ? 4 : 8);
+  static constexpr int kSmem =
+      kStageSmem + kCacheSmem > kReduceSmem ? kStageSmem + kCacheSmem : kReduceSmem;
+  static_assert(kKeyBytes % 16 == 0 && kValBytes % 16 == 0, "rows must be whole 16-byte chunks");
+  static_assert(kLaneWords >= 1, "head dim too small");
+};
+
+template <int NB>
+__device__ __forceinline__ void ldg_words(uint32_t (&w)[NB / 4], const uint8_t* src) {
+  if constexpr (NB >= 16) {
+#pragma unroll
+    for (int u = 0; u < NB / 16; ++u) {
+      const uint4 x = *reinterpret_cast<const uint4*>(src + 16 * u);
+      w[4 * u] = x.x; w[4 * u + 1] = x.y; w[4 * u + 2] = x.z; w[4 * u + 3] = x.w;
+    }
+  } else if constexpr (NB == 8) {
+    const uint2 x = *reinterpret_cast<const uint2*>(src);
+    w[0] = x.x; w[1] = x.y;
+  } else {
+    w[0] = *reinterpret_cast<const uint32_t*>(src);
+  }
+}
+
+template <int NB>
+__device__ __forceinline__ void lds_words(uint32_t (&w)[NB / 4], uint32_t addr) {
+  if constexpr (NB >= 16) {
+#pragma unroll
+    for (int u = 0; u < NB / 16; ++u)
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(w[4 * u]), "=r"(w[4 * u + 1]), "=r"(w[4 * u + 2]), "=r"(w[4 * u + 3])
+                   : "r"(addr + 16 * u));
+  } else if constexpr (NB == 8) {
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(w[0]), "=r"(w[1]) : "r"(addr));
+  } else {
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w[0]) : "r"(addr));
+  }
+}
+
+// A lane's run of one Q or K row as MMA words. The same map is applied to both operands, so any
+// k permutation it makes cancels in the dot product.
+template <int OP, int NW>
+struct QkWords {
+  static constexpr int kWords = OP == kInt4 ? 2 * NW : OP == kInt16 ? NW / 2 : NW;
+  uint32_t hi[kWords];                          // the only plane, or the signed high bytes
+  uint32_t lo[OP == kInt16 ? kWords : 1];       // unsigned low bytes (16-bit)
+
+  __device__ __forceinline__ void set(const uint32_t (&raw)[NW]) {
+    if constexpr (OP == kInt4) {
+#pragma unroll
+      for (int i = 0; i < NW; ++i) magicube_sddmm::unpack_s4(raw[i], hi[2 * i], hi[2 * i + 1]);
+    } else if constexpr (OP == kInt16) {
+#pragma unroll
+      for (int i = 0; i < kWords; ++i) magicube_sddmm::split_planes(raw[2 * i], raw[2 * i + 1], hi[i], lo[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < NW; ++i) hi[i] = raw[i];
+    }
+  }
+};
+
+template <int OP>
+struct QkAcc {
+  using T = typename std::conditional<OP == kHalf, float, int>::type;
+  T d[4];
+  int x[OP == kInt16 ? 4 : 1];   // hi x lo + lo x hi, weight 2^8
+  int ll[OP == kInt16 ? 4 : 1];  // lo x lo
+};
+
+__device__ __forceinline__ uint32_t pack_half2(__half a, __half b) {
+  return static_cast<uint32_t>(__half_as_ushort(a)) | (static_cast<uint32_t>(__half_as_ushort(b)) << 16);
+}
+__device__ __forceinline__ float half_lo(uint32_t h) { return __half2float(__ushort_as_half(h & 0xFFFFu)); }
+__device__ __forceinline__ float half_hi(uint32_t h) { return __half2float(__ushort_as_half(h >> 16)); }
+
+template <int OP, int PB, int D, int DV>
+__global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
+  using C = Cfg<OP, PB, D, DV>;
+  constexpr int NW = C::kLaneWords;
+  using Words = QkWords<OP, NW>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ float red_max[kWarps][8];
+  __shared__ float red_sum[kWarps][8];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int vrow = p.row_order[blockIdx.x];
+  const int64_t bh = blockIdx.y;
+  const int v = p.v;
+  const int start = p.row_ptr[2 * vrow];
+  const int count = p.row_ptr[2 * vrow + 1] - start;
+  const int nb = (count + kSlots - 1) / kSlots;
+  const int nbw = nb > warp ? (nb - warp + kWarps - 1) / kWarps : 0;  // this warp's blocks
+  const int nu = nbw > C::kCached ? nbw - C::kCached : 0;             // ... past the score cache
+  const int nc = nbw - nu;
+  const bool row_live = g < v;
+  const int64_t qrow0 = bh * p.m + static_cast<int64_t>(vrow) * v;
+  const float softmax_scale = p.softmax_scale;
+
+  // Query fragment (A of S = Q K^T): row g, the lane's run t; rows g >= V and g + 8 are zero.
+  Words qw;
+  float sq = 0.f;
+  {
+    uint32_t raw[NW];
+#pragma unroll
+    for (int i = 0; i < NW; ++i) raw[i] = 0;
+    if (row_live) {
+      ldg_words<C::kLaneBytes>(raw, p.q + (qrow0 + g) * C::kKeyBytes + t * C::kLaneBytes);
+      if constexpr (!C::kFp16) sq = p.scale_q[qrow0 + g];
+    }
+    qw.set(raw);
+  }
+
+  // ---- The warp's tile stream: pass 1 key tiles, [fp16: uncached key tiles], pass 2 value tiles
+  // (preceded by their key tile past the cache). Entry i -> (local block j, value tile?).
+  const int entries = nbw + (C::kFp16 ? nu : 0) + nc + 2 * nu;
+  auto entry = [&](int i, int& j, bool& is_val) {
+    if (i < nbw) { j = i; is_val = false; return; }
+    i -= nbw;
+    if constexpr (C::kFp16) {
+      if (i < nu) { j = C::kCached + i; is_val = false; return; }
+      i -= nu;
+    }
+    if (i < nc) { j = i; is_val = true; return; }
+    i -= nc;
+    j = C::kCached + (i >> 1);
+    is_val = i & 1;
+  };
+  const uint32_t ring = smem_addr(smem) + warp * C::kStages * C::kTileBytes;
+  const int64_t slot_base = start;
+  auto copy_tile = [&](uint32_t dst, const uint8_t* base, int col_l, auto row_bytes_tag) {
+    constexpr int RB = decltype(row_bytes_tag)::value;
+    constexpr int CPR = RB / 16;
+#pragma unroll
+    for (int u = 0; u < CPR; ++u) {
+      const int idx = lane + 32 * u;
+      const int r = idx / CPR, ch = idx % CPR;
+      const int c = __shfl_sync(0xffffffffu, col_l, r);
+      const bool live = c >= 0 && c < p.n;
+      cp_async16(dst + r * C::kRowStride + ch * 16, live ? base + static_cast<int64_t>(c) * RB + ch * 16 : base,
+                 live ? 16 : 0);
+    }
+  };
+  auto issue = [&](int i) {
+    if (i < entries) {
+      int j;
+      bool is_val;
+      entry(i, j, is_val);
+      const int blk = warp + j * kWarps;
+      const int col_l = p.col_idx[slot_base + static_cast<int64_t>(blk) * kSlots + lane];
+      const uint32_t dst = ring + (i % C::kStages) * C::kTileBytes;
+      if (is_val) {
+        copy_tile(dst, p.val + bh * p.n * C::kValBytes, col_l, std::integral_constant<int, C::kValBytes>{});
+      } else {
+        copy_tile(dst, p.k + bh * p.n * C::kKeyBytes, col_l, std::integral_constant<int, C::kKeyBytes>{});
+      }
+    }
+    cp_async_commit();
+  };
+  int cursor = 0;
+  auto next_tile = [&]() -> uint32_t {
+    cp_async_wait<C::kStages - 2>();
+    __syncwarp();
+    issue(cursor + C::kStages - 1);
+    const uint32_t tile = ring + (cursor % C::kStages) * C::kTileBytes;
+    ++cursor;
+    return tile;
+  };
+#pragma unroll
+  for (int s = 0; s < C::kStages - 1; ++s) issue(s);
+
+  // ---- Scores of one block: h[n] holds the fp16 scores of row g at slots 8n + 2t, 8n + 2t + 1
+  // (low, high half); bit 2n + e of `bits` says whether slot 8n + 2t + e is kept.
+  auto block_scores = [&](uint32_t tile, int j, uint32_t (&h)[4], uint32_t& bits) {
+    const int blk = warp + j * kWarps;
+    const int col_l = p.col_idx[slot_base + static_cast<int64_t>(blk) * kSlots + lane];
+    const bool live_l = col_l >= 0 && col_l < p.n;
+    float sk_l = 0.f;
+    if constexpr (!C::kFp16) sk_l = live_l ? p.scale_k[bh * p.n + col_l] : 0.f;
+    const uint32_t live_mask = __ballot_sync(0xffffffffu, live_l);
+    QkAcc<OP> acc[4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        acc[n].d[e] = 0;
+        if constexpr (OP == kInt16) { acc[n].x[e] = 0; acc[n].ll[e] = 0; }
+      }
+      uint32_t raw[NW];
+      lds_words<C::kLaneBytes>(raw, tile + (8 * n + g) * C::kRowStride + t * C::kLaneBytes);
+      Words kw;
+      kw.set(raw);
+#pragma unroll
+      for (int s = 0; s < Words::kWords / 2; ++s) {
+        const uint32_t a[4] = {qw.hi[2 * s], 0u, qw.hi[2 * s + 1], 0u};
+        if constexpr (C::kFp16) {
+          float (&c)[4] = acc[n].d;
+          mma_16816_f16(c, a, kw.hi[2 * s], kw.hi[2 * s + 1]);
+        } else {
+          mma_16832<true, true>(acc[n].d, a, kw.hi[2 * s], kw.hi[2 * s + 1]);
+          if constexpr (OP == kInt16) {
+            const uint32_t al[4] = {qw.lo[2 * s], 0u, qw.lo[2 * s + 1], 0u};
+            mma_16832<true, false>(acc[n].x, a, kw.lo[2 * s], kw.lo[2 * s + 1]);
+            mma_16832<false, true>(acc[n].x, al, kw.hi[2 * s], kw.hi[2 * s + 1]);
+            mma_16832<false, false>(acc[n].ll, al, kw.lo[2 * s], kw.lo[2 * s + 1]);
+          }
+        }
+      }
+    }
+    bits = 0;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      __half hv[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int slot = 8 * n + 2 * t + e;
+        bits |= ((live_mask >> slot) & 1u) << (2 * n + e);
+        if constexpr (C::kFp16) {
+          hv[e] = __float2half_rn(acc[n].d[e]);
+        } else {
+          const float sk = __shfl_sync(0xffffffffu, sk_l, slot);
+          int64_t q = acc[n].d[e];
+          if constexpr (OP == kInt16) {
+            q = q * 65536 + static_cast<int64_t>(acc[n].x[e]) * 256 + acc[n].ll[e];
+          }
+          hv[e] = __float2half_rn(__ll2float_rn(q) * (sq * sk));
+        }
+      }
+      h[n] = pack_half2(hv[0], hv[1]);
+    }
+    if (!row_live) bits = 0;
+  };
+
+  auto block_max = [&](const uint32_t (&h)[4], uint32_t bits, float mx) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      if (bits >> (2 * n) & 1u) mx = fmaxf(mx, half_lo(h[n]) * softmax_scale);
+      if (bits >> (2 * n + 1) & 1u) mx = fmaxf(mx, half_hi(h[n]) * softmax_scale);
+    }
+    return mx;
+  };
+
+  // ---- Pass 1: scores (cached in shared memory for the first kCached blocks) and the row max.
+  uint32_t* cache = reinterpret_cast<uint32_t*>(smem + C::kStageSmem) + warp * C::kCached * C::kCacheWords * 32;
+  auto cache_store = [&](int j, const uint32_t (&h)[4], uint32_t bits) {
+    uint32_t* c = cache + j * C::kCacheWords * 32 + lane;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) c[32 * n] = h[n];
+    c[32 * 4] = bits;
+  };
+  // A block's scores: from the cache, or recomputed from its key tile (the next in the stream).
+  auto scores_of = [&](int j, uint32_t (&h)[4], uint32_t& bits) {
+    if (j < C::kCached) {
+      const uint32_t* c = cache + j * C::kCacheWords * 32 + lane;
+#pragma unroll
+      for (int n = 0; n < 4; ++n) h[n] = c[32 * n];
+      bits = c[32 * 4];
+    } else {
+      block_scores(next_tile(), j, h, bits);
+    }
+  };
+  float mx = -INFINITY;
+#pragma unroll 1
+  for (int j = 0; j < nbw; ++j) {
+    uint32_t h[4], bits;
+    block_scores(next_tile(), j, h, bits);
+    if (j < C::kCached) cache_store(j, h, bits);
+    mx = block_max(h, bits, mx);
+  }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  if (t == 0) red_max[warp][g] = mx;
+  __syncthreads();
+  float row_max = red_max[0][g];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) row_max = fmaxf(row_max, red_max[w][g]);
+
+  // e = exp(x - max) of the kept slots (0 elsewhere), as the softmax kernel computes it.
+  auto block_exp = [&](const uint32_t (&h)[4], uint32_t bits, float (&e)[4][2]) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      e[n][0] = (bits >> (2 * n) & 1u) ? expf(half_lo(h[n]) * softmax_scale - row_max) : 0.f;
+      e[n][1] = (bits >> (2 * n + 1) & 1u) ? expf(half_hi(h[n]) * softmax_scale - row_max) : 0.f;
+    }
+  };
+
+  float sum = 0.f;
+  float row_sum = 0.f;
+  if constexpr (C::kFp16) {
+    // fp16 probabilities are e / s: the sum is needed before the product.
+    auto add = [&](const uint32_t (&h)[4], uint32_t bits) {
+      float e[4][2];
+      block_exp(h, bits, e);
+#pragma unroll
+      for (int n = 0; n < 4; ++n) sum += e[n][0] + e[n][1];
+    };
+#pragma unroll 1
+    for (int j = 0; j < nbw; ++j) {
+      uint32_t h[4], bits;
+      scores_of(j, h, bits);
+      add(h, bits);
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if (t == 0) red_sum[warp][g] = sum;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) row_sum += red_sum[w][g];
+  }
+
+  // ---- Pass 2: probabilities and O^T += V^T P^T.
+  using AccT = typename std::conditional<C::kFp16, float, int>::type;
+  AccT acc[C::kAccSets][C::kMT][4];
+#pragma unroll
+  for (int s = 0; s < C::kAccSets; ++s)
+#pragma unroll
+    for (int mt = 0; mt < C::kMT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[s][mt][e] = 0;
+
+  const int li = lane & 7, lm = lane >> 3;
+  auto block_pv = [&](uint32_t tile, const uint32_t (&h)[4], uint32_t bits) {
+    float e[4][2];
+    block_exp(h, bits, e);
+    if constexpr (C::kFp16) {
+      uint32_t pb[4];
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        // e > 0 only on kept slots of live rows, whose sum is >= 1; elsewhere 0 (never 0 / 0).
+        const __half p0 = e[n][0] > 0.f ? __float2half_rn(e[n][0] / row_sum) : __float2half_rn(0.f);
+        const __half p1 = e[n][1] > 0.f ? __float2half_rn(e[n][1] / row_sum) : __float2half_rn(0.f);
+        pb[n] = pack_half2(p0, p1);
+      }
+#pragma unroll
+      for (int mt = 0; mt < C::kMT; ++mt)
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks) {
+          const int row = 16 * ks + 8 * (lm >> 1) + li;
+          const int chunk = 2 * mt + (lm & 1);
+          uint32_t a[4];
+          ldsm_x4_trans(tile + row * C::kRowStride + chunk * 16, a[0], a[1], a[2], a[3]);
+          mma_16816_f16(acc[0][mt], a, pb[2 * ks], pb[2 * ks + 1]);
+        }
+    } else {
+      constexpr float kQmax = static_cast<float>((1 << PB) - 1);
+      uint32_t q[4][2];
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          sum += e[n][x];
+          q[n][x] = static_cast<uint32_t>(fminf(rintf(e[n][x] * kQmax), kQmax));
+        }
+      // B fragment: k = 4t + i <-> slots 2t, 2t+1, 8+2t, 9+2t (b0) and 16 + the same (b1).
+      uint32_t pb[C::kPPlanes][2];
+#pragma unroll
+      for (int pl = 0; pl < C::kPPlanes; ++pl) {
+        const int sh = (C::kPPlanes == 2 && pl == 0) ? 8 : 0;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int n0 = 2 * half, n1 = 2 * half + 1;
+          pb[pl][half] = ((q[n0][0] >> sh) & 0xFFu) | (((q[n0][1] >> sh) & 0xFFu) << 8) |
+                         (((q[n1][0] >> sh) & 0xFFu) << 16) | (((q[n1][1] >> sh) & 0xFFu) << 24);
+        }
+      }
+      const uint32_t lrow = tile + lane * C::kRowStride;
+      if constexpr (OP == kInt8) {
+#pragma unroll
+        for (int mt = 0; mt < C::kMT; ++mt) {
+          uint32_t r[4];
+          ldsm_x4_trans(lrow + mt * 16, r[0], r[1], r[2], r[3]);
+          const uint32_t a[4] = {even_bytes(r[0], r[1]), odd_bytes(r[0], r[1]), even_bytes(r[2], r[3]),
+                                 odd_bytes(r[2], r[3])};
+#pragma unroll
+          for (int pl = 0; pl < C::kPPlanes; ++pl) mma_16832<true, false>(acc[pl][mt], a, pb[pl][0], pb[pl][1]);
+        }
+      } else if constexpr (OP == kInt4) {
+#pragma unroll
+        for (int c = 0; c < C::kMT / 2; ++c) {
+          uint32_t r[4];
+          ldsm_x4_trans(lrow + c * 16, r[0], r[1], r[2], r[3]);
+          const uint32_t x01 = even_bytes(r[0], r[1]), y01 = odd_bytes(r[0], r[1]);
+          const uint32_t x23 = even_bytes(r[2], r[3]), y23 = odd_bytes(r[2], r[3]);
+          const uint32_t lo[4] = {low_nibbles_x16(x01), low_nibbles_x16(y01), low_nibbles_x16(x23),
+                                  low_nibbles_x16(y23)};
+          const uint32_t hi[4] = {high_nibbles_x16(x01), high_nibbles_x16(y01), high_nibbles_x16(x23),
+                                  high_nibbles_x16(y23)};
+#pragma unroll
+          for (int pl = 0; pl < C::kPPlanes; ++pl) {
+            mma_16832<true, false>(acc[pl][2 * c], lo, pb[pl][0], pb[pl][1]);
+            mma_16832<true, false>(acc[pl][2 * c + 1], hi, pb[pl][0], pb[pl][1]);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < C::kMT; ++mt) {
+          uint32_t r[4], s[4];
+          ldsm_x4_trans(lrow + 2 * mt * 16, r[0], r[1], r[2], r[3]);
+          ldsm_x4_trans(lrow + (2 * mt + 1) * 16, s[0], s[1], s[2], s[3]);
+          const uint32_t vh[4] = {odd_bytes(r[0], r[1]), odd_bytes(s[0], s[1]), odd_bytes(r[2], r[3]),
+                                  odd_bytes(s[2], s[3])};
+          const uint32_t vl[4] = {even_bytes(r[0], r[1]), even_bytes(s[0], s[1]), even_bytes(r[2], r[3]),
+                                  even_bytes(s[2], s[3])};
+          // planes: P = ph * 2^8 + pl, V = vh * 2^8 + vl -> sets 2^16, 2^8, 2^0
+          mma_16832<true, false>(acc[0][mt], vh, pb[0][0], pb[0][1]);
+          mma_16832<true, false>(acc[1][mt], vh, pb[1][0], pb[1][1]);
+          mma_16832<false, false>(acc[1][mt], vl, pb[0][0], pb[0][1]);
+          mma_16832<false, false>(acc[2][mt], vl, pb[1][0], pb[1][1]);
+        }
+      }
+    }
+  };
+
+#pragma unroll 1
+  for (int j = 0; j < nbw; ++j) {
+    uint32_t h[4], bits;
+    scores_of(j, h, bits);
+    block_pv(next_tile(), h, bits);
+  }
+
+  if constexpr (!C::kFp16) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if (t == 0) red_sum[warp][g] = sum;
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with its ring: the reduction reuses it
+
+  // ---- Cross-warp reduction of the V x DV partial outputs, then one rounding to fp16.
+  auto dv_of = [](int mt, int rr) {
+    if constexpr (OP == kInt8) return 16 * mt + 2 * (rr & 7) + (rr >> 3);
+    else if constexpr (OP == kInt4) return 32 * (mt >> 1) + 4 * (rr & 7) + 2 * (rr >> 3) + (mt & 1);
+    else return 16 * mt + rr;
+  };
+  using RedT = typename std::conditional<C::kFp16, float, int64_t>::type;
+  RedT* red = reinterpret_cast<RedT*>(smem);
+#pragma unroll
+  for (int mt = 0; mt < C::kMT; ++mt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = 2 * t + (e & 1);
+      if (r >= v) continue;
+      const int dv = dv_of(mt, g + 8 * (e >> 1));
+      RedT x;
+      if constexpr (C::kFp16) {
+        x = acc[0][mt][e];
+      } else {
+        int64_t w = 0;
+#pragma unroll
+        for (int s = 0; s < C::kAccSets; ++s) {
+          const int sh = C::kAccSets == 1 ? 0 : 8 * (C::kAccSets - 1 - s);
+          w += static_cast<int64_t>(acc[s][mt][e]) << sh;
+        }
+        x = w >> C::kShift;
+      }
+      red[(warp * 8 + r) * DV + dv] = x;
+    }
+  __syncthreads();
+
+  __half* out = p.out + qrow0 * DV;
+  for (int idx = threadIdx.x; idx < v * DV; idx += kThreads) {
+    const int r = idx / DV, c = idx - r * DV;
+    RedT tot = red[r * DV + c];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) tot += red[(w * 8 + r) * DV + c];
+    if constexpr (C::kFp16) {
+      out[idx] = __float2half_rn(tot);
+    } else {
+      constexpr float kQmax = static_cast<float>((1 << PB) - 1);
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) s += red_sum[w][r];
+      const float rs = count == 0 ? 0.f : 1.f / (s * kQmax);
+      out[idx] = __float2half_rn(__ll2float_rn(tot) * (rs * p.scale_v[bh * DV + c]));
+    }
+  }
+}
+
+}  // namespace attention_detail
+}  // namespace magicube
