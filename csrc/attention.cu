@@ -35,7 +35,14 @@ template <int OP, int PB, int D, int DV>
 void launch(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream) {
   using C = Cfg<OP, PB, D, DV>;
   auto kernel = magicube::attention_detail::attention_kernel<OP, PB, D, DV>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
+  // Once per device and instantiation, so that a launch inside a graph capture makes no other call.
+  static bool configured[256] = {};
+  const int device = c10::cuda::current_device();
+  TORCH_CHECK(device < 256, "sparse_attention: device index ", device, " out of range");
+  if (!configured[device]) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
+    configured[device] = true;
+  }
   const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(bh));
   kernel<<<grid, kThreads, C::kSmem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

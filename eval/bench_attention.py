@@ -1,0 +1,235 @@
+"""Attention-core benchmark: the fused sparse attention kernel against dense and unfused baselines.
+
+    python -m magicube.eval.bench_attention [--quick] [--out DIR]
+
+One attention layer's core, out = softmax(Q K^T / sqrt(d)) V, for Q, K, V of [B*H, L, 64] in fp16,
+with a vector-sparse mask (V = 8, every vector row keeps the same count). Rows, side by side:
+
+- dense: PyTorch materialized fp16 softmax(QK^T)V, SDPA (flash) fp16 on [B, H, L, d], SDPA with an
+  additive -inf mask of the same sparsity (the dense way to run the sparse model);
+- the three-op pipeline magicube sddmm -> sparse_softmax -> spmm, in fp16 and 8b-8b / 16b-8b / 8b-4b
+  (probability bits - Q/K/V bits);
+- the fused op (one kernel), same precisions.
+
+Quantized rows include quantizing Q, K and V from fp16 (absmax scales per row of Q and K and per
+column of V), which is also timed on its own. Every output is first compared with an fp32
+reference on the first heads (dense softmax for the dense rows, the masked one for the sparse
+rows) and the relative error is printed beside the time. Medians of CUDA-event timings after
+warm-up. Writes attention_<device>.json and a plot of time per method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from magicube.eval.timing import cuda_time, environment, save_json
+from magicube.ops import SRBCRS, absmax_scale, extension, pack_int4, quantize, random_vector_mask
+
+FULL = dict(b=[2, 8], h=[4, 8], seq=[4096, 8192], sparsity=[0.9, 0.95])
+QUICK = dict(b=[8], h=[4], seq=[4096], sparsity=[0.9, 0.95])
+TARGET = dict(b=8, h=4, seq=4096, sparsity=0.9, method="fused 8b-8b")
+D, V = 64, 8
+QUANT = [(8, 8), (16, 8), (8, 4)]  # (probability bits, Q/K/V bits)
+REF_HEADS = 2  # heads compared with the fp32 reference
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
+
+
+def _label(p_bits, qk_bits):
+    return f"{p_bits}b-{qk_bits}b"
+
+
+def quantize_qkv(q, k, v, bits):
+    """Q, K per-row and V per-column absmax quantization into the op containers; no host sync."""
+    out = []
+    for x, dim in ((q, -1), (k, -1), (v, 1)):
+        s = absmax_scale(x, bits, dim=dim)
+        qi = quantize(x, s, bits)
+        if bits == 4:
+            c = pack_int4(qi)
+        else:
+            c = qi.to(torch.int8 if bits == 8 else torch.int16)
+        out += [c, s.squeeze(dim).contiguous()]
+    return out[0], out[2], out[4], out[1], out[3], out[5]
+
+
+def rel_err(out, ref):
+    out = out[:ref.shape[0]].float()
+    return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+def run_config(b, h, seq, sparsity, reps, log):
+    ops = torch.ops.magicube_cuda
+    dev = "cuda"
+    bh = b * h
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(bh, seq, D, device=dev, generator=g, dtype=torch.float16) for _ in range(3))
+    scale = D ** -0.5
+    mask = random_vector_mask(seq, seq, V, sparsity, seed=1)
+    pat = SRBCRS.from_mask(mask, stride=32).to(dev)
+    emask = mask.to_dense().to(dev)  # [L, L] bool
+    density = float(mask.mask.float().mean())
+    pattern = (pat.row_ptr, pat.col_idx, pat.row_order)
+
+    # fp32 references on the first heads.
+    qr, kr, vr = (x[:REF_HEADS].float() for x in (q, k, v))
+    s = qr @ kr.transpose(1, 2) * scale
+    ref_dense = torch.softmax(s, -1) @ vr
+    ref_sparse = torch.softmax(s.masked_fill(~emask, float("-inf")), -1) @ vr
+    del s
+
+    records = []
+    base = dict(b=b, h=h, seq=seq, d=D, v=V, sparsity=sparsity, density=density)
+
+    def add(method, fn, ref, quant_ms=0.0, kind="sparse"):
+        err = rel_err(fn(), ref)
+        ms = cuda_time(fn, warmup=max(5, reps // 5), reps=reps)["median_ms"]
+        rec = dict(base, method=method, kind=kind, ms=ms, quant_ms=quant_ms, total_ms=ms + quant_ms, rel_err=err)
+        records.append(rec)
+        extra = f" (+ quantization {quant_ms * 1e3:.1f} us = {rec['total_ms'] * 1e3:.1f} us)" if quant_ms else ""
+        log(f"  {method:24s} {ms * 1e3:9.1f} us{extra}   rel. error {err:.2e}")
+        torch.cuda.empty_cache()
+        return rec
+
+    log(f"B={b} H={h} L={seq} sparsity={sparsity} (density {density:.3f})")
+    mat_reps = max(5, reps // 5)
+
+    def materialized():
+        return torch.softmax((q @ k.transpose(1, 2)) * scale, -1) @ v
+
+    if bh * seq * seq * 2 * 3 < torch.cuda.mem_get_info()[0]:
+        err = rel_err(materialized(), ref_dense)
+        ms = cuda_time(materialized, warmup=2, reps=mat_reps)["median_ms"]
+        records.append(dict(base, method="materialized fp16", kind="dense", ms=ms, quant_ms=0.0, total_ms=ms,
+                            rel_err=err))
+        log(f"  {'materialized fp16':24s} {ms * 1e3:9.1f} us   rel. error {err:.2e}")
+        torch.cuda.empty_cache()
+    q4, k4, v4 = (x.view(b, h, seq, D) for x in (q, k, v))
+    add("SDPA flash fp16", lambda: F.scaled_dot_product_attention(q4, k4, v4).view(bh, seq, D), ref_dense,
+        kind="dense")
+    additive = torch.zeros(seq, seq, device=dev, dtype=torch.float16).masked_fill(~emask, float("-inf"))
+    add("SDPA masked fp16", lambda: F.scaled_dot_product_attention(q4, k4, v4, attn_mask=additive).view(bh, seq, D),
+        ref_sparse, kind="masked")
+    del additive
+
+    def pipeline_fp16():
+        sc = ops.sddmm(*pattern, q, k, None, None, V, 16, torch.float16)
+        pr, _ = ops.sparse_softmax(*pattern, sc, V, scale, 0)
+        return ops.spmm(*pattern, pr, v, None, None, V, seq, 16, True, 16, torch.float16)
+
+    add("pipeline fp16", pipeline_fp16, ref_sparse)
+    add("fused fp16", lambda: ops.sparse_attention(*pattern, q, k, v, None, None, None, V, scale, 16, 0), ref_sparse)
+
+    for p_bits, qk_bits in QUANT:
+        quant_ms = cuda_time(lambda: quantize_qkv(q, k, v, qk_bits), warmup=3, reps=max(10, reps // 2))["median_ms"]
+        qq, kq, vq, sq, sk, sv = quantize_qkv(q, k, v, qk_bits)
+        label = _label(p_bits, qk_bits)
+        log(f"  {'quantize Q,K,V ' + str(qk_bits) + 'b':24s} {quant_ms * 1e3:9.1f} us")
+        records.append(dict(base, method=f"quantize {qk_bits}b", kind="quant", ms=quant_ms, quant_ms=0.0,
+                            total_ms=quant_ms, rel_err=None))
+
+        def pipeline(qq=qq, kq=kq, vq=vq, sq=sq, sk=sk, sv=sv, p_bits=p_bits, qk_bits=qk_bits):
+            sc = ops.sddmm(*pattern, qq, kq, sq, sk, V, qk_bits, torch.float16)
+            pr, rs = ops.sparse_softmax(*pattern, sc, V, scale, p_bits)
+            return ops.spmm(*pattern, pr, vq, rs, sv, V, seq, p_bits, False, qk_bits, torch.float16)
+
+        add(f"pipeline {label}", pipeline, ref_sparse, quant_ms)
+        add(f"fused {label}", lambda qq=qq, kq=kq, vq=vq, sq=sq, sk=sk, sv=sv, p_bits=p_bits, qk_bits=qk_bits:
+            ops.sparse_attention(*pattern, qq, kq, vq, sq, sk, sv, V, scale, qk_bits, p_bits), ref_sparse, quant_ms)
+        del qq, kq, vq, sq, sk, sv
+    flash = next(r["total_ms"] for r in records if r["method"] == "SDPA flash fp16")
+    for r in records:
+        r["speedup_vs_flash"] = flash / r["total_ms"]
+    return records
+
+
+def summarize(records):
+    out = {}
+    t = [r for r in records if all(r[key] == TARGET[key] for key in ("b", "h", "seq", "sparsity"))]
+    by = {r["method"]: r for r in t}
+    if TARGET["method"] in by:
+        r = by[TARGET["method"]]
+        out["target"] = dict(TARGET, fused_us=r["ms"] * 1e3, with_quantization_us=r["total_ms"] * 1e3,
+                             flash_us=by["SDPA flash fp16"]["ms"] * 1e3,
+                             speedup_vs_flash_with_quantization=r["speedup_vs_flash"],
+                             speedup_vs_flash_kernel_only=by["SDPA flash fp16"]["ms"] / r["ms"],
+                             pipeline_us=by.get("pipeline 8b-8b", {}).get("total_ms", math.nan) * 1e3)
+    return out
+
+
+def plot(records, path: Path, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = sorted({(r["b"], r["h"], r["seq"], r["sparsity"]) for r in records})
+    fig, axes = plt.subplots(1, len(configs), figsize=(4.6 * len(configs), 4.2), sharey=True, squeeze=False)
+    methods = [m for m in dict.fromkeys(r["method"] for r in records) if not m.startswith("quantize")]
+    colors = {"dense": "tab:gray", "masked": "tab:brown"}
+    for ax, cfg in zip(axes[0], configs):
+        rs = {r["method"]: r for r in records if (r["b"], r["h"], r["seq"], r["sparsity"]) == cfg}
+        ys = range(len(methods))
+        for y, m in zip(ys, methods):
+            if m not in rs:
+                continue
+            r = rs[m]
+            c = colors.get(r["kind"], "tab:blue" if m.startswith("fused") else "tab:orange")
+            ax.barh(y, r["ms"] * 1e3, color=c)
+            if r["quant_ms"]:
+                ax.barh(y, r["quant_ms"] * 1e3, left=r["ms"] * 1e3, color=c, alpha=0.4, hatch="//")
+        if "SDPA flash fp16" in rs:
+            ax.axvline(rs["SDPA flash fp16"]["ms"] * 1e3, color="k", lw=0.8, ls="--")
+        ax.set_xscale("log")
+        ax.set_yticks(list(ys))
+        ax.set_yticklabels(methods, fontsize=7)
+        ax.set_xlabel("us (hatched: Q/K/V quantization)")
+        ax.set_title(f"B={cfg[0]} H={cfg[1]} L={cfg[2]} s={cfg[3]}", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m magicube.eval.bench_attention", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="B=8, H=4, L=4096 only (the target shape)")
+    ap.add_argument("--out", default="eval/results", help="directory for the JSON and the plot")
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_attention: needs a CUDA device", file=sys.stderr)
+        return 2
+    for family in ("attention", "sddmm", "softmax", "spmm"):
+        extension.load(family)
+    env = environment()
+    cfg = QUICK if args.quick else FULL
+    print(f"bench_attention on {env.get('device')}, torch {env['torch']}, CUDA {env['cuda']}", flush=True)
+    records = []
+    for b in cfg["b"]:
+        for h in cfg["h"]:
+            for seq in cfg["seq"]:
+                for sp in cfg["sparsity"]:
+                    records += run_config(b, h, seq, sp, args.reps, log=lambda s: print(s, flush=True))
+    summary = summarize(records)
+    print("summary:", summary)
+    out = Path(args.out)
+    name = f"attention_{_slug(env.get('device', 'gpu'))}"
+    save_json(out / f"{name}.json", dict(environment=env, config=cfg, quick=args.quick, summary=summary,
+                                         records=records))
+    plot(records, out / f"{name}.png", f"Attention core, d={D}, V={V} on {env.get('device')} "
+                                       "(dashed: SDPA flash fp16)")
+    print(f"wrote {out / (name + '.json')} and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

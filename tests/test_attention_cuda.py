@@ -1,0 +1,229 @@
+"""The fused CUDA sparse-attention kernel against the reference (the CPU implementation of
+magicube::sparse_attention, i.e. sddmm -> sparse_softmax -> spmm with the same roundings).
+
+Integer modes: the fp16 output is expected bit-exact, except where the exp() of the kernel and of
+torch.exp on the CPU round differently and move one quantized probability by one unit. One unit of
+q_j changes an output by row_scale * scale_v * |value_j|, so the difference is bounded by
+row_scale * scale_v * sum_j |value_j| (over the row's kept keys) plus one fp16 ulp, and at least 99 %
+of the outputs must be bit-exact. fp16 mode: both the kernel and the reference are held to the
+error that fp16 scores, fp16 probabilities and the fp16 output allow, against a float64 softmax of
+the exact scores.
+"""
+
+import math
+
+import pytest
+import torch
+
+from conftest import problem
+from magicube.ops import SRBCRS, VectorMask, absmax_scale, from_container, quantize, to_container
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# (p_bits, qk_bits); p_bits 0 is the fp16 mode.
+PAIRS = [(8, 8), (16, 8), (8, 4), (4, 4), (16, 16), (16, 4), (0, 16)]
+PAIR_IDS = [f"P{p}-QK{q}" if p else "fp16" for p, q in PAIRS]
+
+# (BH, M/V, N, sparsity): N multiple of nothing; row 0 is empty and row M/V // 2 full
+# (conftest.awkward_mask); N = 1500 makes the full row longer than the kernel's score cache.
+SHAPES = [(1, 7, 333, 0.6), (3, 5, 97, 0.7), (1, 1, 40, 0.8), (2, 4, 1500, 0.9)]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from magicube.ops import extension
+
+    extension.load("attention")
+    return torch.ops.magicube_cuda
+
+
+def _poison():
+    """Leave a freed block of garbage for the caching allocator to hand out next."""
+    junk = torch.full((1 << 22,), float("nan"), dtype=torch.float16, device="cuda")
+    del junk
+
+
+def _quantized(x, bits, dim):
+    """x quantized with absmax scales over `dim` -> (container, scale without the reduced dim)."""
+    scale = absmax_scale(x, bits, dim=dim)
+    return to_container(quantize(x, scale, bits), bits), scale.squeeze(dim).contiguous()
+
+
+def make_inputs(bh, m, n, d, p_bits, qk_bits, g, spread=1.0):
+    """Q, K, V ~ N(0, 1) (K times `spread`), quantized with per-row (Q, K) and per-column (V) scales."""
+    q = torch.randn(bh, m, d, generator=g)
+    k = torch.randn(bh, n, d, generator=g) * spread
+    v = torch.randn(bh, n, d, generator=g)
+    if p_bits == 0:
+        return q.half(), k.half(), v.half(), None, None, None
+    qc, sq = _quantized(q, qk_bits, -1)
+    kc, sk = _quantized(k, qk_bits, -1)
+    vc, sv = _quantized(v, qk_bits, 1)
+    return qc, kc, vc, sq, sk, sv
+
+
+def run_both(kernels, p, inputs, v, softmax_scale, qk_bits, p_bits):
+    cuda = p.to("cuda")
+    dev = [x.cuda() if x is not None else None for x in inputs]
+    _poison()
+    got = kernels.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev, v, softmax_scale, qk_bits,
+                                   p_bits)
+    torch.cuda.synchronize()
+    want = torch.ops.magicube.sparse_attention(p.row_ptr, p.col_idx, p.row_order, *inputs, v, softmax_scale,
+                                               qk_bits, p_bits)
+    return got.cpu(), want
+
+
+def fp16_ulp(x: torch.Tensor) -> torch.Tensor:
+    a = x.double().abs()
+    e = torch.floor(torch.log2(a.clamp(min=2.0**-14)))
+    return torch.pow(2.0, e - 10)
+
+
+def check_quantized(p, emask, inputs, got, want, v, softmax_scale, qk_bits, p_bits, what):
+    q, k, val, sq, sk, sv = inputs
+    assert got.dtype == torch.float16 and got.shape == want.shape, what
+    assert not torch.isnan(got).any(), f"{what}: NaN in the output (an element was not written?)"
+    pattern = (p.row_ptr, p.col_idx, p.row_order)
+    scores = torch.ops.magicube.sddmm(*pattern, q, k, sq, sk, v, qk_bits, torch.float16)
+    _, row_scale = torch.ops.magicube.sparse_softmax(*pattern, scores, v, softmax_scale, p_bits)
+    vabs = from_container(val, qk_bits).abs().double()  # [BH, N, d]
+    per_row = emask.double() @ vabs  # sum over the row's kept keys of |value|
+    bound = row_scale.double()[..., None] * sv.double()[:, None, :] * per_row + fp16_ulp(want) * 1.0001
+    diff = (got.double() - want.double()).abs()
+    bad = diff > bound
+    assert not bad.any(), (f"{what}: {int(bad.sum())} outputs beyond one probability unit, worst "
+                           f"{float((diff - bound).max()):.3g}")
+    exact = float((got == want).double().mean())
+    assert exact >= 0.99, f"{what}: only {exact:.2%} of the outputs are bit-exact"
+    empty = emask.sum(1) == 0
+    assert bool((got[:, empty] == 0).all()), f"{what}: rows without kept keys must be 0"
+
+
+def check_fp16(p, emask, inputs, got, want, softmax_scale, what):
+    q, k, val = (x.double() for x in inputs[:3])
+    assert got.dtype == torch.float16 and got.shape == want.shape, what
+    assert not torch.isnan(got).any(), f"{what}: NaN in the output"
+    s = q @ k.transpose(1, 2)  # exact scores, [BH, M, N]
+    keep = emask[None].expand_as(s)
+    x = (s * softmax_scale).masked_fill(~keep, float("-inf"))
+    prob = torch.softmax(x, dim=-1).nan_to_num(0.0)
+    exact = prob @ val
+    # Each side rounds the scores to fp16 (half an ulp, times the softmax scale, moves every
+    # probability by a relative 2 * delta at most), the probabilities to fp16 (2^-11 relative,
+    # 2^-25 absolute below the normal range) and the output once.
+    delta = (fp16_ulp(s.masked_fill(~keep, 0.0)) * 0.5 * abs(softmax_scale)).amax(-1, keepdim=True)
+    weighted = prob @ val.abs()
+    tol = 1.5 * (2 * delta + 2.0**-10) * weighted + keep.double() @ val.abs() * 2.0**-25 + fp16_ulp(exact) + 1e-6
+    for name, out in (("kernel", got), ("reference", want)):
+        err = (out.double() - exact).abs()
+        assert bool((err <= tol).all()), f"{what}: {name} beyond the fp16 bound, worst {float((err - tol).max()):.3g}"
+    empty = emask.sum(1) == 0
+    assert bool((got[:, empty] == 0).all()), f"{what}: rows without kept keys must be 0"
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("v", [2, 4, 8])
+@pytest.mark.parametrize("p_bits, qk_bits", PAIRS, ids=PAIR_IDS)
+def test_matches_reference(kernels, p_bits, qk_bits, v, d):
+    for i, (bh, rows, n, sparsity) in enumerate(SHAPES):
+        g = torch.Generator().manual_seed(100 * i + 10 * v + d)
+        p, emask = problem(bh, rows, n, v, sparsity, seed=i, shuffle=bool(i % 2))
+        spread = 1.0 + i  # peakier softmax in later shapes: many probabilities quantize to 0
+        inputs = make_inputs(bh, p.m, n, d, p_bits, qk_bits, g, spread)
+        softmax_scale = d**-0.5
+        got, want = run_both(kernels, p, inputs, v, softmax_scale, qk_bits, p_bits)
+        what = f"shape (BH={bh}, M={p.m}, N={n}, d={d})"
+        if p_bits == 0:
+            check_fp16(p, emask, inputs, got, want, softmax_scale, what)
+        else:
+            check_quantized(p, emask, inputs, got, want, v, softmax_scale, qk_bits, p_bits, what)
+
+
+@pytest.mark.parametrize("p_bits, qk_bits", [pq for pq in PAIRS if pq[0]], ids=[i for i in PAIR_IDS if i != "fp16"])
+def test_range_extremes(kernels, p_bits, qk_bits):
+    """Q, K at qmax, V at qmin: equal scores (uniform probabilities), the largest value products."""
+    lo, hi = -(1 << (qk_bits - 1)), (1 << (qk_bits - 1)) - 1
+    bh, rows, n, v, d = 2, 3, 2000, 8, 64
+    p, emask = problem(bh, rows, n, v, 0.2, seed=5)
+    full = lambda shape, x: to_container(torch.full(shape, x, dtype=torch.int64), qk_bits)  # noqa: E731
+    s = 1.0 / (hi * math.sqrt(d))  # scores of about 1, whatever the width
+    inputs = (full((bh, p.m, d), hi), full((bh, n, d), hi), full((bh, n, d), lo),
+              torch.full((bh, p.m), s), torch.full((bh, n), s), torch.full((bh, d), 1e-2))
+    got, want = run_both(kernels, p, inputs, v, 0.125, qk_bits, p_bits)
+    check_quantized(p, emask, inputs, got, want, v, 0.125, qk_bits, p_bits, "extremes")
+
+
+def test_long_row_uncached(kernels):
+    """One row of 6000 keys (188 blocks: 47 per warp, most past the score cache) next to short ones."""
+    v, n, d = 8, 6000, 64
+    mask = torch.zeros(3, n, dtype=torch.bool)
+    mask[0, ::7] = True
+    mask[1] = True
+    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
+    emask = VectorMask(mask, v).to_dense()
+    g = torch.Generator().manual_seed(3)
+    for p_bits, qk_bits in [(8, 8), (16, 16), (0, 16)]:
+        inputs = make_inputs(1, p.m, n, d, p_bits, qk_bits, g)
+        got, want = run_both(kernels, p, inputs, v, d**-0.5, qk_bits, p_bits)
+        if p_bits == 0:
+            check_fp16(p, emask, inputs, got, want, d**-0.5, "long row")
+        else:
+            check_quantized(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, "long row")
+
+
+def test_public_op_dispatches_to_kernel(kernels):
+    from magicube.ops import sparse_attention
+
+    p, emask = problem(2, 6, 200, 8, 0.7, seed=9)
+    g = torch.Generator().manual_seed(1)
+    q, k, val, sq, sk, sv = make_inputs(2, p.m, 200, 64, 8, 8, g)
+    want = sparse_attention(p, q, k, val, softmax_scale=0.125, qk_bits=8, p_bits=8, scale_q=sq, scale_k=sk,
+                            scale_v=sv)
+    got = sparse_attention(p.to("cuda"), q.cuda(), k.cuda(), val.cuda(), softmax_scale=0.125, qk_bits=8, p_bits=8,
+                           scale_q=sq.cuda(), scale_k=sk.cuda(), scale_v=sv.cuda())
+    check_quantized(p, emask, (q, k, val, sq, sk, sv), got.cpu(), want, 8, 0.125, 8, 8, "public op")
+
+
+def test_current_stream_and_graph_capture(kernels):
+    """Runs on the current stream and needs no host synchronisation: a CUDA graph replays it."""
+    p, _ = problem(2, 8, 512, 8, 0.9, seed=4)
+    g = torch.Generator().manual_seed(2)
+    inputs = [x.cuda() for x in make_inputs(2, p.m, 512, 64, 8, 8, g)]
+    cuda = p.to("cuda")
+    args = (cuda.row_ptr, cuda.col_idx, cuda.row_order, *inputs, 8, 0.125, 8, 8)
+    want = kernels.sparse_attention(*args)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        on_stream = kernels.sparse_attention(*args)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            captured = kernels.sparse_attention(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(on_stream, want)
+    assert torch.equal(captured, want)
+
+
+def test_argument_checks(kernels):
+    p, _ = problem(1, 2, 64, 8, 0.5, seed=0)
+    cuda = p.to("cuda")
+    g = torch.Generator().manual_seed(0)
+    q, k, val, sq, sk, sv = (x.cuda() for x in make_inputs(1, p.m, 64, 64, 8, 8, g))
+    pat = (cuda.row_ptr, cuda.col_idx, cuda.row_order)
+    with pytest.raises(RuntimeError, match="dv"):
+        kernels.sparse_attention(*pat, q, k, val[..., :32].contiguous(), sq, sk, sv[:, :32].contiguous(), 8, 0.1, 8,
+                                 8)
+    with pytest.raises(RuntimeError, match="head dim d"):
+        kernels.sparse_attention(*pat, q[..., :48].contiguous(), k[..., :48].contiguous(), val, sq, sk, sv, 8, 0.1,
+                                 8, 8)
+    with pytest.raises(RuntimeError, match="p_bits"):
+        kernels.sparse_attention(*pat, q, k, val, sq, sk, sv, 8, 0.1, 8, 4)
+    with pytest.raises(RuntimeError, match="scale_q"):
+        kernels.sparse_attention(*pat, q, k, val, None, sk, sv, 8, 0.1, 8, 8)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.sparse_attention(*pat, q, k.transpose(1, 2).contiguous().transpose(1, 2), val, sq, sk, sv, 8, 0.1,
+                                 8, 8)
+    assert math.isfinite(float(kernels.sparse_attention(*pat, q, k, val, sq, sk, sv, 8, 0.1, 8, 8).float().sum()))
