@@ -67,7 +67,8 @@ def evaluate(path: str | Path, backends=None, split: str | None = None, batch_si
         raise ValueError(f"unknown backends {unknown}; choose from {list(BACKENDS)}")
     split = split or ecfg.get("split", "test")
     batch_size = batch_size or ecfg.get("batch_size", 64)
-    accelerator = accelerator or Accelerator(mixed_precision="no")
+    # No mixed precision asked for: a training run in this process may already have set it.
+    accelerator = accelerator or Accelerator()
 
     model = LRAClassifier.from_pretrained(ckpt).to(accelerator.device)
     trained_with = model.config.attention

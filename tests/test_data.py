@@ -60,6 +60,7 @@ def test_imdb_folder_matches_archive(tmp_path, reviews):
 @needs_imdb
 def test_imdb_dataset_encoding_and_cache(tmp_path, reviews, monkeypatch):
     cfg = {"task": "text", "path": str(IMDB), "cache_dir": str(tmp_path), "limit": 16}
+    monkeypatch.setattr(imdb, "read_imdb", lambda path: reviews)  # read once per module, above
     ds = data.build_datasets(cfg, 300)
     assert set(ds) == {"train", "test"} and len(ds["train"]) == 16
     row = ds["train"][3]

@@ -23,7 +23,7 @@ from transformers.utils import logging as hf_logging
 
 from magicube.model.lra import LRAClassifier, LRAConfig
 from magicube.train import data as data_mod
-from magicube.train.config import dump_config
+from magicube.train.config import dump_config, load_config
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -132,6 +132,13 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, accelerator) -> int
     return json.loads((path / "state.json").read_text())["step"]
 
 
+def _comparable(cfg: dict) -> dict:
+    """The parts of a config a resumed run must share with its checkpoint (not its length or logging)."""
+    train = {k: v for k, v in cfg.get("train", {}).items()
+             if k not in ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints")}
+    return {"seed": cfg.get("seed"), "data": cfg.get("data"), "model": cfg.get("model"), "train": train}
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
     """Drop records an interrupted run logged after the checkpoint it resumes from."""
     if not path.is_file():
@@ -146,6 +153,8 @@ def _truncate_metrics(path: Path, step: int) -> None:
 def accuracy(model, ids: torch.Tensor, labels: torch.Tensor, batch_size: int, accelerator: Accelerator,
              max_batches: int | None = None, progress: bool = False, desc: str = "eval") -> dict:
     """Accuracy and mean loss over (a prefix of) a split, sharded over the processes."""
+    # The bare module: DDP's forward would sync buffers, and shards may differ by one batch.
+    model = accelerator.unwrap_model(model)
     was_training = model.training
     model.eval()
     n = len(labels) if max_batches is None else min(len(labels), max_batches * batch_size)
@@ -197,6 +206,9 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
     if ckpt is not None:
         start = load_checkpoint(ckpt, model, optimizer, scheduler, accelerator)
         accelerator.print(f"resuming from {ckpt} (step {start})")
+        if _comparable(load_config(ckpt / "run_config.yaml")) != _comparable(cfg):
+            accelerator.print(f"warning: the config differs from the one {ckpt} was trained with "
+                              "(pass --no-resume to start over)")
     metrics_path = out_dir / "metrics.jsonl"
     if main:
         if start:
