@@ -11,7 +11,6 @@ namespace {
 
 using magicube::spmm_detail::Params;
 using magicube::spmm_detail::kThreads;
-using magicube::spmm_detail::kTileBytes;
 using magicube::spmm_detail::kSlots;
 
 void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device) {
@@ -27,7 +26,11 @@ at::Tensor aligned16(const at::Tensor& t) {
 }
 
 template <int AB, bool AS, int BB>
-void launch(const Params& p, dim3 grid, cudaStream_t stream, bool fast) {
+void launch(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, bool fast) {
+  const int64_t tiles = (p.row_bytes + magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes - 1) /
+                        magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes;
+  TORCH_CHECK(tiles <= 65535 && vrows <= INT32_MAX, "spmm: N or M too large");
+  const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(tiles), static_cast<unsigned>(bh));
   if (fast) {
     magicube::spmm_detail::spmm_kernel<AB, AS, BB, true><<<grid, kThreads, 0, stream>>>(p);
   } else {
@@ -37,9 +40,9 @@ void launch(const Params& p, dim3 grid, cudaStream_t stream, bool fast) {
 }
 
 template <int AB, int BB>
-void launch_signed(const Params& p, dim3 grid, cudaStream_t stream, bool fast, bool a_signed) {
-  if (a_signed) launch<AB, true, BB>(p, grid, stream, fast);
-  else launch<AB, false, BB>(p, grid, stream, fast);
+void launch_signed(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, bool fast, bool a_signed) {
+  if (a_signed) launch<AB, true, BB>(p, vrows, bh, stream, fast);
+  else launch<AB, false, BB>(p, vrows, bh, stream, fast);
 }
 
 at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order,
@@ -155,26 +158,23 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
     out.zero_();
     return out;
   }
-  const int64_t tiles = (row_bytes + kTileBytes - 1) / kTileBytes;
-  TORCH_CHECK(tiles <= 65535 && vrows <= INT32_MAX, "spmm: N too large");
-  const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(tiles), static_cast<unsigned>(bh));
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool fast = copy_bytes == 16;
 
   if (fp16) {
-    launch<0, true, 0>(p, grid, stream, fast);
+    launch<0, true, 0>(p, vrows, bh, stream, fast);
   } else if (a_bits == 8 && b_bits == 8) {
-    launch_signed<8, 8>(p, grid, stream, fast, a_signed);
+    launch_signed<8, 8>(p, vrows, bh, stream, fast, a_signed);
   } else if (a_bits == 4 && b_bits == 4) {
-    launch_signed<4, 4>(p, grid, stream, fast, a_signed);
+    launch_signed<4, 4>(p, vrows, bh, stream, fast, a_signed);
   } else if (a_bits >= 12 && b_bits == 8) {
-    launch_signed<16, 8>(p, grid, stream, fast, a_signed);
+    launch_signed<16, 8>(p, vrows, bh, stream, fast, a_signed);
   } else if (a_bits >= 12 && b_bits == 16) {
-    launch_signed<16, 16>(p, grid, stream, fast, a_signed);
+    launch_signed<16, 16>(p, vrows, bh, stream, fast, a_signed);
   } else if (a_bits == 8 && b_bits == 4) {
-    launch_signed<8, 4>(p, grid, stream, fast, a_signed);
+    launch_signed<8, 4>(p, vrows, bh, stream, fast, a_signed);
   } else {
-    launch_signed<16, 4>(p, grid, stream, fast, a_signed);
+    launch_signed<16, 4>(p, vrows, bh, stream, fast, a_signed);
   }
   return out;
 }

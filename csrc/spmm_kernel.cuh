@@ -9,11 +9,11 @@
 // stacking other vector rows into those columns (which would need their own gathered rows) buys
 // nothing here.
 //
-// One CTA = one vector row x a 128-byte-wide slice of B's rows (128 int8 / 256 int4 / 64 int16 or
-// fp16 columns); 4 warps split the slice. Per 32-slot block, the 32 gathered dense rows go to
-// shared memory through a 4-stage cp.async pipeline (latency of the L2 gather is the limiter; the
-// column indices of the next block are prefetched into registers one step ahead so the gather
-// addresses never wait on a dependent load). The online transpose of the gathered tile happens on
+// One CTA = one vector row x a kTileBytes-wide slice of B's rows; 4 warps split the slice. Per
+// 32-slot block, the 32 gathered dense rows go to shared memory through a 4-stage cp.async
+// pipeline (the kernel is bound by the bandwidth of this gather from L2, so it keeps three blocks
+// in flight per CTA and several CTAs per SM; the column indices of the next block are prefetched
+// into registers one step ahead so the gather addresses never wait on a dependent load). The online transpose of the gathered tile happens on
 // the way out of shared memory: ldmatrix.trans transposes byte pairs and one prmt per register
 // finishes the 8-bit transpose (16-bit planes fall out of the same prmt). Slots are placed in
 // shared memory rows so that each ldmatrix 8x8 matrix reads 8 consecutive rows, and the 16-byte
@@ -39,8 +39,12 @@ namespace magicube {
 namespace spmm_detail {
 
 constexpr int kSlots = 32;        // SR-BCRS stride of the ops
-constexpr int kTileBytes = 128;   // bytes of each gathered dense row per CTA
-constexpr int kChunks = kTileBytes / 16;
+// Bytes of each gathered dense row per CTA for 8/16-bit B (256 int8 / 128 int16 or fp16 columns);
+// int4 B uses half (256 columns too), which keeps its eight m-tiles' accumulators in registers.
+// Wider tiles move more bytes per pipeline step (barrier, index fetch, address math are per step).
+#ifndef MAGICUBE_SPMM_TILE_BYTES
+#define MAGICUBE_SPMM_TILE_BYTES 256
+#endif
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kStages = 4;
@@ -70,6 +74,11 @@ struct Kind {
   static constexpr int kAPlanes = AB == 16 ? 2 : 1;
   static constexpr int kBPlanes = BB == 16 ? 2 : 1;
   static constexpr int kSparseRowBytes = kFp16 ? 64 : kSlots * AB / 8;
+  static constexpr int kTileBytes = BB == 4 ? MAGICUBE_SPMM_TILE_BYTES / 2 : MAGICUBE_SPMM_TILE_BYTES;
+  static constexpr int kChunks = kTileBytes / 16;
+  static_assert(kChunks >= 8 && kChunks <= 16 && kChunks % kWarps == 0, "the swizzle needs >= 8 chunks");
+  // Each thread copies one 16-byte chunk of kCopyRows of the 32 gathered rows per block.
+  static constexpr int kCopyRows = kSlots * kChunks / kThreads;
   // Dense columns per 16-byte chunk and per CTA.
   static constexpr int kColsPerChunk = kFp16 ? 8 : 128 / BB;
   static constexpr int kTileCols = kChunks * kColsPerChunk;
@@ -93,7 +102,7 @@ struct Kind {
   // Dense column (within the warp's chunks) of MMA row rr (0..15) of m-tile mt.
   __device__ static __forceinline__ int tile_col(int mt, int rr) {
     if constexpr (kFp16 || BB == 16) {
-      return rr;
+      return 16 * mt + rr;
     } else if constexpr (BB == 8) {
       return 16 * mt + 2 * (rr & 7) + (rr >> 3);
     } else {
@@ -116,6 +125,9 @@ __device__ __forceinline__ uint2 lds64(uint32_t addr) {
 template <int AB, bool AS, int BB, bool FAST>
 __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   using K = Kind<AB, AS, BB>;
+  constexpr int kTileBytes = K::kTileBytes;
+  constexpr int kChunks = K::kChunks;
+  constexpr int kCopyRows = K::kCopyRows;
   constexpr int kDenseStage = kSlots * kTileBytes;
   constexpr int kSparseStage = 8 * K::kSparseRowBytes;
   constexpr int kStageBytes = kDenseStage + kSparseStage;
@@ -138,28 +150,29 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   const int* cols = p.col_idx + start;
   const uint32_t smem0 = smem_addr(smem);
 
-  // Copy roles: thread copies chunk `cchunk` of block slots `cslot` and `cslot + 16`.
+  // Copy roles: thread copies chunk `cchunk` of block slots cslot + q * kSlotStep.
+  constexpr int kSlotStep = kThreads / kChunks;
   const int cchunk = tid & (kChunks - 1);
   const int cslot = tid / kChunks;
   const int cbyte = col0_bytes + cchunk * 16;
-  uint32_t cdst[2];
+  uint32_t cdst[kCopyRows];
 #pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    const int r = K::smem_row(cslot + 16 * q);
+  for (int q = 0; q < kCopyRows; ++q) {
+    const int r = K::smem_row(cslot + kSlotStep * q);
     cdst[q] = r * kTileBytes + ((cchunk ^ (r & 7)) * 16);
   }
   const int sparse_chunks = v * K::kSparseRowBytes / 16;
 
-  auto fetch_cols = [&](int blk, int (&c)[2]) {
+  auto fetch_cols = [&](int blk, int (&c)[kCopyRows]) {
     if (blk < nblocks) {
-      c[0] = cols[blk * kSlots + cslot];
-      c[1] = cols[blk * kSlots + cslot + 16];
+#pragma unroll
+      for (int q = 0; q < kCopyRows; ++q) c[q] = cols[blk * kSlots + cslot + kSlotStep * q];
     }
   };
-  auto issue = [&](int blk, const int (&c)[2]) {
+  auto issue = [&](int blk, const int (&c)[kCopyRows]) {
     const uint32_t stage = smem0 + (blk % kStages) * kStageBytes;
 #pragma unroll
-    for (int q = 0; q < 2; ++q) {
+    for (int q = 0; q < kCopyRows; ++q) {
       const bool live = c[q] >= 0 && c[q] < p.k;
       const uint8_t* src = b_bh + (live ? (int64_t)c[q] * p.row_bytes : 0) + cbyte;
       const uint32_t dst = stage + cdst[q];
@@ -228,10 +241,13 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
         uint2 bw = make_uint2(0, 0);
         if (row_live) bw = lds64(sparse + 32 * ks + 8 * t);
         const int row = 16 * ks + 8 * (lm >> 1) + li;
-        const int chunk = wchunk0 + (lm & 1);
-        uint32_t a[4];
-        ldsm_x4_trans(stage + row * kTileBytes + ((chunk ^ li) * 16), a[0], a[1], a[2], a[3]);
-        mma_16816_f16(accf[0], a, bw.x, bw.y);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          const int chunk = wchunk0 + 2 * mt + (lm & 1);
+          uint32_t a[4];
+          ldsm_x4_trans(stage + row * kTileBytes + ((chunk ^ li) * 16), a[0], a[1], a[2], a[3]);
+          mma_16816_f16(accf[mt], a, bw.x, bw.y);
+        }
       }
     } else {
       // Sparse fragment, plane 0 = high byte (or the only plane).
@@ -297,19 +313,24 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
           mma_planes(2 * c + 1, hi);
         }
       } else {
-        uint32_t r[4], s[4];
-        ldsm(wchunk0, r);
-        ldsm(wchunk0 + 1, s);
-        const uint32_t da[2][4] = {
-            {odd_bytes(r[0], r[1]), odd_bytes(s[0], s[1]), odd_bytes(r[2], r[3]), odd_bytes(s[2], s[3])},
-            {even_bytes(r[0], r[1]), even_bytes(s[0], s[1]), even_bytes(r[2], r[3]), even_bytes(s[2], s[3])}};
-        mma_planes(0, da);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          uint32_t r[4], s[4];
+          ldsm(wchunk0 + 2 * mt, r);
+          ldsm(wchunk0 + 2 * mt + 1, s);
+          const uint32_t da[2][4] = {
+              {odd_bytes(r[0], r[1]), odd_bytes(s[0], s[1]), odd_bytes(r[2], r[3]), odd_bytes(s[2], s[3])},
+              {even_bytes(r[0], r[1]), even_bytes(s[0], s[1]), even_bytes(r[2], r[3]), even_bytes(s[2], s[3])}};
+          mma_planes(mt, da);
+        }
       }
     }
   };
 
   // Pipeline: blocks it+1 .. it+kStages-1 are in flight while block it is computed.
-  int next_cols[2] = {-1, -1};
+  int next_cols[kCopyRows];
+#pragma unroll
+  for (int q = 0; q < kCopyRows; ++q) next_cols[q] = -1;
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < nblocks) {
@@ -342,10 +363,12 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   if constexpr (K::kFp16) {
     float* stage_out = reinterpret_cast<float*>(smem);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int col = 2 * t + (j & 1);
-      if (col < v) stage_out[col * K::kTileCols + tile_col0 + K::tile_col(0, g + 8 * (j >> 1))] = accf[0][j];
-    }
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int col = 2 * t + (j & 1);
+        if (col < v) stage_out[col * K::kTileCols + tile_col0 + K::tile_col(mt, g + 8 * (j >> 1))] = accf[mt][j];
+      }
   } else {
     fold();
     int64_t* stage_out = reinterpret_cast<int64_t*>(smem);

@@ -101,10 +101,10 @@ def test_range_extremes(kernels, a_bits, b_bits, a_signed):
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", [(16, 16, True), (16, 16, False), (8, 8, False)],
                          ids=["L16-R16", "L16u-R16", "L8u-R8"])
 def test_int32_overflow_long_row(kernels, a_bits, b_bits, a_signed):
-    """One full row of 20000 columns (625 blocks, past the int32 fold interval) at the extremes."""
+    """One full row of 70000 columns (2188 blocks, past the int32 fold interval) at the extremes."""
     amin, amax = qrange(a_bits, a_signed)
     bmin, _ = qrange(b_bits, True)
-    k, n, v = 20000, 16, 2
+    k, n, v = 70000, 16, 2
     mask = torch.zeros(2, k, dtype=torch.bool)
     mask[1] = True
     p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
@@ -147,23 +147,6 @@ def test_fp16_padding_is_not_read(kernels):
     assert torch.equal(got, want)
 
 
-def test_argument_checks(kernels):
-    p, emask = problem(1, 2, 64, 8, 0.5, seed=0)
-    cuda = p.to("cuda")
-    a_values = to_container(p.pack_values(emask.long()[None]), 8).cuda()
-    b = torch.zeros(1, 64, 32, dtype=torch.int8, device="cuda")
-    args = (cuda.row_ptr, cuda.col_idx, cuda.row_order)
-    with pytest.raises(RuntimeError, match="a_values"):
-        kernels.spmm(*args, a_values.short(), b, None, None, 8, p.m, 8, True, 8, torch.int64)
-    with pytest.raises(RuntimeError, match="b"):
-        kernels.spmm(*args, a_values, b.short(), None, None, 8, p.m, 8, True, 8, torch.int64)
-    with pytest.raises(RuntimeError, match="scale"):
-        kernels.spmm(*args, a_values, b, None, None, 8, p.m, 8, True, 8, torch.float16)
-    with pytest.raises(RuntimeError, match="contiguous"):
-        kernels.spmm(*args, a_values, b.transpose(1, 2).contiguous().transpose(1, 2), None, None, 8, p.m, 8, True,
-                     8, torch.int64)
-
-
 def test_current_stream(kernels):
     p, emask = problem(2, 4, 256, 8, 0.5, seed=3)
     g = torch.Generator().manual_seed(0)
@@ -189,3 +172,21 @@ def test_public_op_dispatches_to_kernel(kernels):
     want = spmm(p, a_values, b, a_bits=16, b_bits=4, out_dtype=torch.int64)
     got = spmm(p.to("cuda"), a_values.cuda(), b.cuda(), a_bits=16, b_bits=4, out_dtype=torch.int64)
     assert torch.equal(got.cpu(), want)
+
+
+def test_argument_checks(kernels):
+    """Bad arguments raise an error naming the argument (kept last: it exercises the throw path)."""
+    p, emask = problem(1, 2, 64, 8, 0.5, seed=0)
+    cuda = p.to("cuda")
+    a_values = to_container(p.pack_values(emask.long()[None]), 8).cuda()
+    b = torch.zeros(1, 64, 32, dtype=torch.int8, device="cuda")
+    args = (cuda.row_ptr, cuda.col_idx, cuda.row_order)
+    with pytest.raises(RuntimeError, match="a_values"):
+        kernels.spmm(*args, a_values.short(), b, None, None, 8, p.m, 8, True, 8, torch.int64)
+    with pytest.raises(RuntimeError, match="b"):
+        kernels.spmm(*args, a_values, b.short(), None, None, 8, p.m, 8, True, 8, torch.int64)
+    with pytest.raises(RuntimeError, match="scale"):
+        kernels.spmm(*args, a_values, b, None, None, 8, p.m, 8, True, 8, torch.float16)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.spmm(*args, a_values, b.transpose(1, 2).contiguous().transpose(1, 2), None, None, 8, p.m, 8, True,
+                     8, torch.int64)
