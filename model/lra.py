@@ -174,7 +174,7 @@ class LRAPreTrainedModel(PreTrainedModel):
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
-        elif isinstance(module, LRAClassifier):
+        elif isinstance(module, LRAClassifier) and module.cls is not None:
             nn.init.normal_(module.cls, std=1.0)
 
 
@@ -182,7 +182,8 @@ class LRAClassifier(LRAPreTrainedModel):
     def __init__(self, config: LRAConfig):
         super().__init__(config)
         self.embed = nn.Embedding(config.vocab_size, config.emb_dim)
-        self.cls = nn.Parameter(torch.zeros(config.emb_dim))
+        # Only with CLS pooling: an unused parameter would stall DDP's gradient reduction.
+        self.cls = nn.Parameter(torch.zeros(config.emb_dim)) if config.pool == "cls" else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.emb_dim)

@@ -1,10 +1,14 @@
 """The `magicube` command line."""
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from magicube.eval.cli import main
-from magicube.train import listops
+from magicube.train import imdb, listops
 
 SMALL = ["data.generate.num_train=128", "data.generate.num_val=16", "data.generate.num_test=24",
          "data.generate.max_length=60", "model.max_len=64", "model.emb_dim=32", "model.mlp_dim=64",
@@ -45,6 +49,17 @@ def test_train_resumes_and_data_listops(tmp_path, capsys):
     assert main(["data", "listops", "--config", "tiny", "--out", str(tmp_path / "lo"), "data.generate.num_train=10",
                  "data.generate.num_val=2", "data.generate.num_test=2"]) == 0
     assert len(listops.read_tsv(tmp_path / "lo" / "basic_train.tsv")[1]) == 10
+
+
+def test_data_imdb_reports_the_archive(capsys):
+    where = os.environ.get("MAGICUBE_IMDB") or Path(__file__).resolve().parents[2] / "shared" / "data"
+    try:
+        src = imdb.find_imdb(where)
+    except FileNotFoundError:
+        pytest.skip("aclImdb_v1.tar.gz not found (set MAGICUBE_IMDB)")
+    assert main(["data", "imdb", "--path", str(src)]) == 0
+    out = capsys.readouterr().out
+    assert "train: 25000 reviews, 12500 positive" in out and "is complete" in out
 
 
 def test_unbuilt_commands_say_so(capsys):

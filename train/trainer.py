@@ -152,12 +152,17 @@ def _truncate_metrics(path: Path, step: int) -> None:
 @torch.no_grad()
 def accuracy(model, ids: torch.Tensor, labels: torch.Tensor, batch_size: int, accelerator: Accelerator,
              max_batches: int | None = None, progress: bool = False, desc: str = "eval") -> dict:
-    """Accuracy and mean loss over (a prefix of) a split, sharded over the processes."""
+    """Accuracy and mean loss over a split (or max_batches of it), sharded over the processes."""
     # The bare module: DDP's forward would sync buffers, and shards may differ by one batch.
     model = accelerator.unwrap_model(model)
     was_training = model.training
     model.eval()
-    n = len(labels) if max_batches is None else min(len(labels), max_batches * batch_size)
+    if max_batches is not None and max_batches * batch_size < len(labels):
+        # A fixed random subset: splits may be sorted by label, so a prefix would be one class.
+        keep = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))[:max_batches * batch_size]
+        keep = keep.sort().values
+        ids, labels = ids[keep], labels[keep]
+    n = len(labels)
     rank, world = accelerator.process_index, accelerator.num_processes
     totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # correct, loss sum, count
     starts = range(rank * batch_size, n, world * batch_size)
