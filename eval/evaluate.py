@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from transformers.utils import logging as hf_logging
 
 from magicube.model.lra import QUANTIZED, LRAClassifier
 from magicube.train import data as data_mod
@@ -70,12 +71,21 @@ def evaluate(path: str | Path, backends=None, split: str | None = None, batch_si
     # No mixed precision asked for: a training run in this process may already have set it.
     accelerator = accelerator or Accelerator()
 
-    model = LRAClassifier.from_pretrained(ckpt).to(accelerator.device)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one small file
+    try:
+        model = LRAClassifier.from_pretrained(ckpt).to(accelerator.device)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     trained_with = model.config.attention
     splits = data_mod.load_tensors(data_cfg, model.config.input_len)
     if split not in splits:
         raise ValueError(f"split {split!r} not in the {data_cfg['task']} data (has {sorted(splits)})")
     ids, labels = splits[split]
+    # Chance as a classifier that always answers the most frequent training label would score it.
+    top = torch.bincount(splits["train"][1]).argmax()
+    majority = float((labels == top).float().mean()) if len(labels) else 0.0
     rows = []
     for name in dict.fromkeys(backends):
         attention, impl = BACKENDS[name]
@@ -87,7 +97,7 @@ def evaluate(path: str | Path, backends=None, split: str | None = None, batch_si
     state = json.loads((ckpt / "state.json").read_text()) if (ckpt / "state.json").is_file() else {}
     return {
         "checkpoint": str(ckpt), "step": state.get("step"), "task": data_cfg["task"], "split": split,
-        "trained_with": trained_with, "sparsity": model.config.sparsity, "v": model.config.v,
+        "trained_with": trained_with, "majority_baseline": majority, "sparsity": model.config.sparsity, "v": model.config.v,
         "mask_kind": model.config.mask_kind, "device": _device_name(accelerator.device),
         "torch": torch.__version__, "python": platform.python_version(), "commit": _commit(), "results": rows,
     }
@@ -107,7 +117,8 @@ def to_markdown(report: dict) -> str:
     for r in report["results"]:
         lines.append(f"| {r['backend']} | {r['description']} | {100 * r['accuracy']:.2f} % | {r['loss']:.4f} | "
                      f"{r['examples']} | {r['seconds']:.1f} |")
-    return head + "\n".join(lines) + "\n"
+    foot = f"\nChance (always the most frequent training label): {100 * report['majority_baseline']:.2f} %\n"
+    return head + "\n".join(lines) + "\n" + foot
 
 
 def write_report(report: dict, out: str | Path) -> tuple[Path, Path]:
