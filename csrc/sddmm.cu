@@ -1,10 +1,10 @@
 // SDDMM on tensor cores: C = (A B^T) sampled at an SR-BCRS vector mask, with
 // the dequantization fused into the epilogue.
 //
-// One warp owns one stride block: the V x S output tile of vector row i at
-// slots [p0, p0 + S). The block -> row map is a binary search over row_ptr,
-// so the work is split evenly however unequal the rows are (one huge row,
-// empty rows) and row_order is not needed for balance.
+// One warp owns one or two consecutive stride blocks, each the V x S output
+// tile of a vector row i at slots [p0, p0 + S). A block -> row table built by
+// a small kernel per call splits the work evenly however unequal the rows are
+// (one huge row, empty rows), so row_order is not needed for balance.
 //
 // Per k chunk a lane loads one contiguous run of its gathered B rows (slots
 // g, g + 8, g + 16, g + 24) and of A row g, and the warp issues the MMAs of
@@ -92,11 +92,31 @@ __device__ __forceinline__ OutT zero_out() {
   }
 }
 
-// NT: m16 tiles per warp (S = 16 NT slots per stride block).
-template <int MODE, int AL, typename OutT, int NT>
-__global__ void __launch_bounds__(kWarps * 32)
-    sddmm_kernel(const int* __restrict__ row_ptr, const int* __restrict__ col_idx,
-                 int num_vrows, int num_blocks, int64_t nnz_pad, const uint8_t* __restrict__ a,
+// block_row[j] = the vector row that stride block j belongs to. One thread
+// per vector row; a launch of M/V threads, so that the SDDMM warps find their
+// row with one load issued beside their col_idx loads instead of a search.
+template <int S>
+__global__ void block_rows_kernel(const int* __restrict__ row_ptr, int num_vrows, int num_blocks,
+                                  int* __restrict__ block_row) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= num_vrows) return;
+  const int start = row_ptr[2 * i];
+  const int padded = (row_ptr[2 * i + 1] - start + S - 1) / S;
+  for (int j = 0; j < padded; ++j) {
+    const int blk = start / S + j;
+    if (blk >= 0 && blk < num_blocks) block_row[blk] = i;
+  }
+}
+
+// NT: m16 tiles per stride block (S = 16 NT slots); NB: stride blocks per
+// warp, whose loads are all issued before any of them is waited on.
+// Four resident CTAs (32 warps, 64 registers a thread) keep enough gathers in
+// flight; the 16-bit planes need twice the registers.
+template <int MODE, int AL, typename OutT, int NT, int NB>
+__global__ void __launch_bounds__(kWarps * 32, MODE == kInt16 ? 2 : 4)
+    sddmm_kernel(const int* __restrict__ col_idx,
+                 const int* __restrict__ block_row, int num_vrows, int num_blocks, int64_t nnz_pad,
+                 const uint8_t* __restrict__ a,
                  const uint8_t* __restrict__ b, const float* __restrict__ scale_a,
                  const float* __restrict__ scale_b, OutT* __restrict__ out, int m, int n,
                  int k, int row_bytes, int v) {
@@ -108,53 +128,65 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int blk = blockIdx.x * kWarps + warp;
-  if (blk >= num_blocks) return;
+  const int blk0 = (blockIdx.x * kWarps + warp) * NB;
+  if (blk0 >= num_blocks) return;
   const int64_t bh = blockIdx.y;
-  const int64_t p0 = static_cast<int64_t>(blk) * S;
-
-  // Largest i with start_i <= p0: rows that share a start before it are empty.
-  int lo = 0, hi = num_vrows - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (__ldg(row_ptr + 2 * mid) <= p0) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const int vrow = lo;
-
   const int g = lane >> 2;
   const int t = lane & 3;
+  constexpr bool kScaled = MODE != kHalf && !std::is_same<OutT, int64_t>::value;
 
-  int col[NT][2];
-  const uint8_t* grow[NT][2];
-  int grow_bytes[NT][2];
+  // The gathered rows depend only on col_idx, the A rows only on block_row:
+  // both chains start at once.
+  int col[NB][NT][2];
+  float sb[NB][NT][2];
+  const uint8_t* b_bh = b + bh * n * row_bytes;
+  auto grow = [&](int c) { return b_bh + static_cast<int64_t>(c < 0 ? 0 : c) * row_bytes; };
+  auto grow_bytes = [&](int c) { return c < 0 ? 0 : row_bytes; };
+  Operand<MODE> go[NB][NT][2];
 #pragma unroll
-  for (int h = 0; h < NT; ++h) {
+  for (int q = 0; q < NB; ++q) {
+    const bool live = blk0 + q < num_blocks;
+    const int64_t p0 = static_cast<int64_t>(blk0 + q) * S;
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int c = __ldg(col_idx + p0 + h * 16 + g + 8 * e);
-      const bool valid = c >= 0 && c < n;
-      col[h][e] = valid ? c : -1;
-      grow[h][e] = b + (static_cast<int64_t>(bh) * n + (valid ? c : 0)) * row_bytes;
-      grow_bytes[h][e] = valid ? row_bytes : 0;
+    for (int h = 0; h < NT; ++h) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = live ? __ldg(col_idx + p0 + h * 16 + g + 8 * e) : -1;
+        const bool valid = c >= 0 && c < n;
+        col[q][h][e] = valid ? c : -1;
+        sb[q][h][e] = 0.f;
+        if constexpr (kScaled) {
+          if (valid) sb[q][h][e] = __ldg(scale_b + bh * n + c);
+        }
+        load_operand<MODE, AL>(go[q][h][e], grow(col[q][h][e]), t * LB, grow_bytes(col[q][h][e]));
+      }
     }
   }
+
+  int vrow[NB];
+#pragma unroll
+  for (int q = 0; q < NB; ++q)
+    vrow[q] = blk0 + q < num_blocks ? min(max(__ldg(block_row + blk0 + q), 0), num_vrows - 1) : 0;
+
   const bool a_valid = g < v;
-  const uint8_t* arow = a + (bh * m + static_cast<int64_t>(vrow) * v + (a_valid ? g : 0)) * row_bytes;
+  const uint8_t* arow[NB];
+#pragma unroll
+  for (int q = 0; q < NB; ++q)
+    arow[q] = a + (bh * m + static_cast<int64_t>(vrow[q]) * v + (a_valid ? g : 0)) * row_bytes;
   const int arow_bytes = a_valid ? row_bytes : 0;
 
-  Acc<MODE> acc[NT];
+  Acc<MODE> acc[NB][NT];
 #pragma unroll
-  for (int h = 0; h < NT; ++h) {
+  for (int q = 0; q < NB; ++q) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      acc[h].d[j] = 0;
-      if constexpr (MODE == kInt16) {
-        acc[h].x[j] = 0;
-        acc[h].ll[j] = 0;
+    for (int h = 0; h < NT; ++h) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        acc[q][h].d[j] = 0;
+        if constexpr (MODE == kInt16) {
+          acc[q][h].x[j] = 0;
+          acc[q][h].ll[j] = 0;
+        }
       }
     }
   }
@@ -162,34 +194,39 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int num_chunks = (k + CK - 1) / CK;
   for (int ch = 0; ch < num_chunks; ++ch) {
     const int off = ch * 4 * LB + t * LB;
-    Operand<MODE> ao;
-    Operand<MODE> go[NT][2];
-    load_operand<MODE, AL>(ao, arow, off, arow_bytes);
+    Operand<MODE> ao[NB];
 #pragma unroll
-    for (int h = 0; h < NT; ++h) {
+    for (int q = 0; q < NB; ++q) load_operand<MODE, AL>(ao[q], arow[q], off, arow_bytes);
+    if (ch > 0) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) load_operand<MODE, AL>(go[h][e], grow[h][e], off, grow_bytes[h][e]);
+      for (int q = 0; q < NB; ++q) {
+#pragma unroll
+        for (int h = 0; h < NT; ++h) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) load_operand<MODE, AL>(go[q][h][e], grow(col[q][h][e]), off, grow_bytes(col[q][h][e]));
+        }
+      }
     }
 #pragma unroll
-    for (int h = 0; h < NT; ++h) {
+    for (int q = 0; q < NB; ++q) {
 #pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const int w0 = 2 * s, w1 = 2 * s + 1;
-        if constexpr (MODE == kHalf) {
-          mma_f16(acc[h].d, go[h][0].w[w0], go[h][1].w[w0], go[h][0].w[w1], go[h][1].w[w1],
-                  ao.w[w0], ao.w[w1]);
-        } else if constexpr (MODE == kInt16) {
-          mma_s8s8(acc[h].d, go[h][0].w[w0], go[h][1].w[w0], go[h][0].w[w1], go[h][1].w[w1],
-                   ao.w[w0], ao.w[w1]);
-          mma_s8u8(acc[h].x, go[h][0].w[w0], go[h][1].w[w0], go[h][0].w[w1], go[h][1].w[w1],
-                   ao.lo[w0], ao.lo[w1]);
-          mma_u8s8(acc[h].x, go[h][0].lo[w0], go[h][1].lo[w0], go[h][0].lo[w1],
-                   go[h][1].lo[w1], ao.w[w0], ao.w[w1]);
-          mma_u8u8(acc[h].ll, go[h][0].lo[w0], go[h][1].lo[w0], go[h][0].lo[w1],
-                   go[h][1].lo[w1], ao.lo[w0], ao.lo[w1]);
-        } else {
-          mma_s8s8(acc[h].d, go[h][0].w[w0], go[h][1].w[w0], go[h][0].w[w1], go[h][1].w[w1],
-                   ao.w[w0], ao.w[w1]);
+      for (int h = 0; h < NT; ++h) {
+        const Operand<MODE>& g0 = go[q][h][0];
+        const Operand<MODE>& g1 = go[q][h][1];
+        Acc<MODE>& ac = acc[q][h];
+#pragma unroll
+        for (int s2 = 0; s2 < 2; ++s2) {
+          const int w0 = 2 * s2, w1 = 2 * s2 + 1;
+          if constexpr (MODE == kHalf) {
+            mma_f16(ac.d, g0.w[w0], g1.w[w0], g0.w[w1], g1.w[w1], ao[q].w[w0], ao[q].w[w1]);
+          } else if constexpr (MODE == kInt16) {
+            mma_s8s8(ac.d, g0.w[w0], g1.w[w0], g0.w[w1], g1.w[w1], ao[q].w[w0], ao[q].w[w1]);
+            mma_s8u8(ac.x, g0.w[w0], g1.w[w0], g0.w[w1], g1.w[w1], ao[q].lo[w0], ao[q].lo[w1]);
+            mma_u8s8(ac.x, g0.lo[w0], g1.lo[w0], g0.lo[w1], g1.lo[w1], ao[q].w[w0], ao[q].w[w1]);
+            mma_u8u8(ac.ll, g0.lo[w0], g1.lo[w0], g0.lo[w1], g1.lo[w1], ao[q].lo[w0], ao[q].lo[w1]);
+          } else {
+            mma_s8s8(ac.d, g0.w[w0], g1.w[w0], g0.w[w1], g1.w[w1], ao[q].w[w0], ao[q].w[w1]);
+          }
         }
       }
     }
@@ -197,43 +234,47 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   // Fragment element j of tile h: slot h*16 + g + 8*(j/2), A row 2t + j%2.
   OutT* tile = reinterpret_cast<OutT*>(smem[warp]);
-  const int64_t arow0 = bh * m + static_cast<int64_t>(vrow) * v;
+  const int vec_count = v * S * static_cast<int>(sizeof(OutT)) / 16;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int r = 2 * t + (j & 1);
-    if (r >= v) continue;
-    float sa = 0.f;
-    if constexpr (MODE != kHalf && !std::is_same<OutT, int64_t>::value) sa = __ldg(scale_a + arow0 + r);
+  for (int q = 0; q < NB; ++q) {
+    if (blk0 + q >= num_blocks) break;
+    const int64_t p0 = static_cast<int64_t>(blk0 + q) * S;
+    const int64_t arow0 = bh * m + static_cast<int64_t>(vrow[q]) * v;
+    if (q > 0) __syncwarp();
 #pragma unroll
-    for (int h = 0; h < NT; ++h) {
-      const int e = j >> 1;
-      const int slot = h * 16 + g + 8 * e;
-      const int c = col[h][e];
-      OutT val = zero_out<OutT>();
-      if (c >= 0) {
-        if constexpr (MODE == kHalf) {
-          val = __float2half_rn(acc[h].d[j]);
-        } else {
-          int64_t q = acc[h].d[j];
-          if constexpr (MODE == kInt16) {
-            q = q * 65536 + static_cast<int64_t>(acc[h].x[j]) * 256 + acc[h].ll[j];
-          }
-          if constexpr (std::is_same<OutT, int64_t>::value) {
-            val = q;
+    for (int j = 0; j < 4; ++j) {
+      const int r = 2 * t + (j & 1);
+      if (r >= v) continue;
+      float sa = 0.f;
+      if constexpr (kScaled) sa = __ldg(scale_a + arow0 + r);
+#pragma unroll
+      for (int h = 0; h < NT; ++h) {
+        const int e = j >> 1;
+        const int slot = h * 16 + g + 8 * e;
+        OutT val = zero_out<OutT>();
+        if (col[q][h][e] >= 0) {
+          if constexpr (MODE == kHalf) {
+            val = __float2half_rn(acc[q][h].d[j]);
           } else {
-            const float sb = __ldg(scale_b + bh * n + c);
-            val = __float2half_rn(__ll2float_rn(q) * (sa * sb));
+            int64_t qv = acc[q][h].d[j];
+            if constexpr (MODE == kInt16) {
+              qv = qv * 65536 + static_cast<int64_t>(acc[q][h].x[j]) * 256 + acc[q][h].ll[j];
+            }
+            if constexpr (std::is_same<OutT, int64_t>::value) {
+              val = qv;
+            } else {
+              val = __float2half_rn(__ll2float_rn(qv) * (sa * sb[q][h][e]));
+            }
           }
         }
+        tile[r * S + slot] = val;
       }
-      tile[r * S + slot] = val;
     }
+    __syncwarp();
+    const uint4* src = reinterpret_cast<const uint4*>(smem[warp]);
+    uint4* dst = reinterpret_cast<uint4*>(out + bh * nnz_pad * v + p0 * v);
+    for (int o = lane; o < vec_count; o += 32) dst[o] = src[o];
   }
-  __syncwarp();
-  const int vec_count = v * S * static_cast<int>(sizeof(OutT)) / 16;
-  const uint4* src = reinterpret_cast<const uint4*>(smem[warp]);
-  uint4* dst = reinterpret_cast<uint4*>(out + bh * nnz_pad * v + p0 * v);
-  for (int o = lane; o < vec_count; o += 32) dst[o] = src[o];
 }
 
 template <int MODE, int AL, typename OutT, int NT>
@@ -242,10 +283,20 @@ void launch(const at::Tensor& row_ptr, const at::Tensor& col_idx, int64_t num_vr
             const float* sa, const float* sb, at::Tensor& out, int64_t m, int64_t n, int64_t k,
             int64_t row_bytes, int64_t v) {
   constexpr int S = 16 * NT;
+  // Two blocks per warp double the loads in flight; the 16-bit planes would
+  // need too many registers for it.
+  constexpr int NB = 1;
   const int64_t num_blocks = nnz_pad / S;
-  const dim3 grid(static_cast<unsigned>((num_blocks + kWarps - 1) / kWarps), static_cast<unsigned>(bh));
-  sddmm_kernel<MODE, AL, OutT, NT><<<grid, kWarps * 32, 0, at::cuda::getCurrentCUDAStream()>>>(
-      row_ptr.data_ptr<int>(), col_idx.data_ptr<int>(), static_cast<int>(num_vrows),
+  at::Tensor block_row = at::empty({num_blocks}, row_ptr.options());
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  block_rows_kernel<S><<<static_cast<unsigned>((num_vrows + 127) / 128), 128, 0, stream>>>(
+      row_ptr.data_ptr<int>(), static_cast<int>(num_vrows), static_cast<int>(num_blocks),
+      block_row.data_ptr<int>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t num_warps = (num_blocks + NB - 1) / NB;
+  const dim3 grid(static_cast<unsigned>((num_warps + kWarps - 1) / kWarps), static_cast<unsigned>(bh));
+  sddmm_kernel<MODE, AL, OutT, NT, NB><<<grid, kWarps * 32, 0, stream>>>(
+      col_idx.data_ptr<int>(), block_row.data_ptr<int>(), static_cast<int>(num_vrows),
       static_cast<int>(num_blocks), nnz_pad, static_cast<const uint8_t*>(a.data_ptr()),
       static_cast<const uint8_t*>(b.data_ptr()), sa, sb, static_cast<OutT*>(out.data_ptr()),
       static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), static_cast<int>(row_bytes),
@@ -312,12 +363,12 @@ at::Tensor sddmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx,
   } else {
     const at::ScalarType want = bits == 16 ? at::kShort : bits == 8 ? at::kChar : at::kByte;
     TORCH_CHECK(bits == 16 || bits == 8 || bits == 4, "sddmm: bits must be 16, 8 or 4, got ", bits);
-    TORCH_CHECK(a.scalar_type() == want, "sddmm: a must be ", want, " for bits=", bits, ", got ",
-                a.scalar_type());
-    TORCH_CHECK(b.scalar_type() == want, "sddmm: b must be ", want, " for bits=", bits, ", got ",
-                b.scalar_type());
+    TORCH_CHECK(a.scalar_type() == want, "sddmm: a must be ", c10::toString(want), " for bits=", bits,
+                ", got ", c10::toString(a.scalar_type()));
+    TORCH_CHECK(b.scalar_type() == want, "sddmm: b must be ", c10::toString(want), " for bits=", bits,
+                ", got ", c10::toString(b.scalar_type()));
     TORCH_CHECK(out_dtype == at::kHalf || out_dtype == at::kLong,
-                "sddmm: out_dtype must be float16 or int64, got ", out_dtype);
+                "sddmm: out_dtype must be float16 or int64, got ", c10::toString(out_dtype));
     mode = bits == 16 ? kInt16 : bits == 8 ? kInt8 : kInt4;
   }
 

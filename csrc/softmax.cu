@@ -44,6 +44,13 @@ __device__ __forceinline__ float row_reduce(float x, F op) {
   return x;
 }
 
+// 2^x, flushing results below 2^-126 to 0 (they round to probability 0 anyway).
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 template <int OUT_BITS>
 struct Store;
 
@@ -97,15 +104,19 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (j >= num_blocks) return -1;
     return (start + static_cast<int64_t>(j) * kStride) * V + r * kStride + grp * 8;
   };
+  // Which slots of the row's last, partly kept 8-slot group are kept; read
+  // once, beside the value loads.
+  uint32_t tail = 0;
+  if (count & 7) {
+    const int rel = count & ~7;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) tail |= (__ldg(col_idx + start + rel + u) != -1 ? 1u : 0u) << u;
+  }
   auto kept_mask = [&](int it) -> uint32_t {
     const int j = it * kBps + bo;
     const int rel = j * kStride + grp * 8;
     if (j >= num_blocks || rel >= count) return 0u;
-    if (rel + 8 <= count) return 0xFFu;
-    uint32_t msk = 0;
-#pragma unroll
-    for (int u = 0; u < 8; ++u) msk |= (__ldg(col_idx + start + rel + u) != -1 ? 1u : 0u) << u;
-    return msk;
+    return rel + 8 <= count ? 0xFFu : tail;
   };
 
   // The lane's slots of up to kCached steps, staged by cp.async so that all
@@ -126,27 +137,29 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
   };
-  auto slot_value = [&](int u, int e) -> float {
+  // exp(x - m) = 2^(y - y_max) with y = value * scale * log2(e): the max
+  // element gets exactly 1 and each other one costs a subtract and an ex2.
+  const float c = scale * 1.4426950408889634f;
+  auto slot_y = [&](int u, int e) -> float {
     const uint4 q = mine[u][lane];
     const uint32_t words[4] = {q.x, q.y, q.z, q.w};
     const uint32_t hw = words[e >> 1] >> (16 * (e & 1));
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(hw & 0xFFFFu))) * scale;
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(hw & 0xFFFFu))) * c;
   };
 
   if (cached) load_chunk(0);
 
-  float mx = -INFINITY;
+  float ymax = -INFINITY;
   for (int c0 = 0; c0 < steps; c0 += kCached) {
     if (!cached) load_chunk(c0);
 #pragma unroll 2
     for (int u = 0; u < kCached && c0 + u < steps; ++u) {
       const uint32_t msk = kept_mask(c0 + u);
 #pragma unroll
-      for (int e = 0; e < 8; ++e)
-        if (msk >> e & 1u) mx = fmaxf(mx, slot_value(u, e));
+      for (int e = 0; e < 8; ++e) ymax = fmaxf(ymax, (msk >> e & 1u) ? slot_y(u, e) : -INFINITY);
     }
   }
-  mx = row_reduce<V>(mx, [](float x, float y) { return fmaxf(x, y); });
+  ymax = row_reduce<V>(ymax, [](float x, float y) { return fmaxf(x, y); });
 
   float sum = 0.f;
   for (int c0 = 0; c0 < steps; c0 += kCached) {
@@ -155,8 +168,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int u = 0; u < kCached && c0 + u < steps; ++u) {
       const uint32_t msk = kept_mask(c0 + u);
 #pragma unroll
-      for (int e = 0; e < 8; ++e)
-        if (msk >> e & 1u) sum += expf(slot_value(u, e) - mx);
+      for (int e = 0; e < 8; ++e) sum += (msk >> e & 1u) ? ex2(slot_y(u, e) - ymax) : 0.f;
     }
   }
   sum = row_reduce<V>(sum, [](float x, float y) { return x + y; });
@@ -171,6 +183,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     row_scale[out_row] = rs;
   }
 
+  const float inv_sum = 1.f / sum;
   for (int c0 = 0; c0 < steps; c0 += kCached) {
     if (!cached) load_chunk(c0);
 #pragma unroll 2
@@ -180,21 +193,21 @@ __global__ void __launch_bounds__(kWarps * 32)
       const uint32_t msk = kept_mask(c0 + u);
       float ev[8];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) ev[e] = (msk >> e & 1u) ? expf(slot_value(u, e) - mx) : 0.f;
+      for (int e = 0; e < 8; ++e) ev[e] = (msk >> e & 1u) ? ex2(slot_y(u, e) - ymax) : 0.f;
       const int64_t dst = bh * nnz_pad * V + o;
       if constexpr (OUT_BITS == 0) {
         uint32_t pw[4];
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          const unsigned short lo = __half_as_ushort(__float2half_rn(ev[2 * q] / sum));
-          const unsigned short hi = __half_as_ushort(__float2half_rn(ev[2 * q + 1] / sum));
+          const unsigned short lo = __half_as_ushort(__float2half_rn(ev[2 * q] * inv_sum));
+          const unsigned short hi = __half_as_ushort(__float2half_rn(ev[2 * q + 1] * inv_sum));
           pw[q] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
         }
         *reinterpret_cast<uint4*>(probs + dst * 2) = make_uint4(pw[0], pw[1], pw[2], pw[3]);
       } else {
         uint32_t qv[8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) qv[e] = static_cast<uint32_t>(fminf(rintf(ev[e] * kQmax), kQmax));
+        for (int e = 0; e < 8; ++e) qv[e] = __float2uint_rn(ev[e] * kQmax);
         if constexpr (OUT_BITS == 16) {
           *reinterpret_cast<uint4*>(probs + dst * 2) =
               make_uint4(qv[0] | qv[1] << 16, qv[2] | qv[3] << 16, qv[4] | qv[5] << 16, qv[6] | qv[7] << 16);
