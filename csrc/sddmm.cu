@@ -283,8 +283,8 @@ void launch(const at::Tensor& row_ptr, const at::Tensor& col_idx, int64_t num_vr
             const float* sa, const float* sb, at::Tensor& out, int64_t m, int64_t n, int64_t k,
             int64_t row_bytes, int64_t v) {
   constexpr int S = 16 * NT;
-  // Two blocks per warp double the loads in flight; the 16-bit planes would
-  // need too many registers for it.
+  // One block per warp: at 64 registers 32 resident warps keep more gathers
+  // in flight than 16 warps of two blocks each would.
   constexpr int NB = 1;
   const int64_t num_blocks = nnz_pad / S;
   at::Tensor block_row = at::empty({num_blocks}, row_ptr.options());
