@@ -6,6 +6,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "attention_kernel.cuh"
 
 namespace {
@@ -32,30 +34,42 @@ at::Tensor aligned16(const at::Tensor& t) {
 }
 
 template <int OP, int PB, int D, int DV>
-void launch(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream) {
+void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream) {
   using C = Cfg<OP, PB, D, DV>;
   auto kernel = magicube::attention_detail::attention_kernel<OP, PB, D, DV>;
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  const int max_smem = static_cast<int>(prop->sharedMemPerBlockOptin);
   // Once per device and instantiation, so that a launch inside a graph capture makes no other call.
   static bool configured[256] = {};
   const int device = c10::cuda::current_device();
   TORCH_CHECK(device < 256, "sparse_attention: device index ", device, " out of range");
   if (!configured[device]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem));
     configured[device] = true;
   }
+  // Score cache: the blocks a warp gets from a row of mean length (every row, for the balanced
+  // masks of the paper). Longer rows recompute their last blocks' scores; a larger cache would
+  // cost occupancy (at L = 4096, sparsity 0.9: 4 blocks per warp, 5 CTAs per SM; with 5, 4).
+  const int64_t mean_blocks = (nnz_pad / 32 + vrows - 1) / vrows;
+  int64_t cached = (mean_blocks + kWarps - 1) / kWarps;
+  const int64_t fit = (max_smem - C::kStageSmem) / C::kCacheBlockBytes;
+  cached = std::max<int64_t>(1, std::min<int64_t>(cached, fit));
+  TORCH_CHECK(C::smem_bytes(static_cast<int>(cached)) <= max_smem, "sparse_attention: needs ",
+              C::smem_bytes(static_cast<int>(cached)), " bytes of shared memory per block, the device has ", max_smem);
+  p.cached = static_cast<int>(cached);
   const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(bh));
-  kernel<<<grid, kThreads, C::kSmem, stream>>>(p);
+  kernel<<<grid, kThreads, C::smem_bytes(p.cached), stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // One head dim for query/key and value: every (d, dv) pair would triple the instantiations (and
 // the build) for shapes attention layers do not use.
 template <int OP, int PB>
-void dispatch_dims(const Params& p, int64_t d, int64_t vrows, int64_t bh, cudaStream_t stream) {
+void dispatch_dims(const Params& p, int64_t d, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream) {
   switch (d) {
-    case 32: launch<OP, PB, 32, 32>(p, vrows, bh, stream); break;
-    case 64: launch<OP, PB, 64, 64>(p, vrows, bh, stream); break;
-    default: launch<OP, PB, 128, 128>(p, vrows, bh, stream); break;
+    case 32: launch<OP, PB, 32, 32>(p, vrows, bh, nnz_pad, stream); break;
+    case 64: launch<OP, PB, 64, 64>(p, vrows, bh, nnz_pad, stream); break;
+    default: launch<OP, PB, 128, 128>(p, vrows, bh, nnz_pad, stream); break;
   }
 }
 
@@ -171,16 +185,16 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (op == kHalf) {
-    dispatch_dims<kHalf, 0>(p, d, vrows, bh, stream);
+    dispatch_dims<kHalf, 0>(p, d, vrows, bh, col_idx.numel(), stream);
   } else if (op == kInt8) {
-    if (p_bits == 8) dispatch_dims<kInt8, 8>(p, d, vrows, bh, stream);
-    else dispatch_dims<kInt8, 16>(p, d, vrows, bh, stream);
+    if (p_bits == 8) dispatch_dims<kInt8, 8>(p, d, vrows, bh, col_idx.numel(), stream);
+    else dispatch_dims<kInt8, 16>(p, d, vrows, bh, col_idx.numel(), stream);
   } else if (op == kInt4) {
-    if (p_bits == 4) dispatch_dims<kInt4, 4>(p, d, vrows, bh, stream);
-    else if (p_bits == 8) dispatch_dims<kInt4, 8>(p, d, vrows, bh, stream);
-    else dispatch_dims<kInt4, 16>(p, d, vrows, bh, stream);
+    if (p_bits == 4) dispatch_dims<kInt4, 4>(p, d, vrows, bh, col_idx.numel(), stream);
+    else if (p_bits == 8) dispatch_dims<kInt4, 8>(p, d, vrows, bh, col_idx.numel(), stream);
+    else dispatch_dims<kInt4, 16>(p, d, vrows, bh, col_idx.numel(), stream);
   } else {
-    dispatch_dims<kInt16, 16>(p, d, vrows, bh, stream);
+    dispatch_dims<kInt16, 16>(p, d, vrows, bh, col_idx.numel(), stream);
   }
   return out;
 }

@@ -9,12 +9,12 @@
 // - The kernel is bound by the L2 -> SM gather of key and value rows (both heads' K and V stay in
 //   L2), not by tensor cores, so the design minimises gathered bytes: every key and value row of a
 //   block is fetched once. Scores are kept on chip, not recomputed: a warp keeps the fp16 scores
-//   of its first kCached blocks in shared memory (rows up to 4 * kCached blocks, 1024 keys, cover
-//   sparsity 0.9 up to L = 8192) and recomputes only the blocks past that, so long rows stay
-//   correct at the price of a second key gather. The shared memory (copy ring + score cache) is
-//   fixed per instantiation, so its size does not depend on the longest row: no host read of the
-//   pattern, and the launch is CUDA-graph capturable. Shared memory rather than registers keeps
-//   the block loops rolled: registers (occupancy) and code size do not grow with the cache.
+//   of its first `cached` blocks in shared memory and recomputes only the blocks past that, so a
+//   row longer than the cache stays correct at the price of a second key gather. The host sizes
+//   the cache from the pattern's mean row length (nnz_pad / rows, known without reading the
+//   pattern), so no host read of the pattern is needed (CUDA-graph capturable) and the cache
+//   does not cost occupancy on short rows. Shared memory rather than registers keeps the block
+//   loops rolled: registers and code size do not grow with the cache.
 // - Softmax needs the row max before any probability can be quantized, so a warp makes two
 //   passes over its blocks: scores and the max (pass 1), then exp, quantization and the product
 //   with V (pass 2); the sum is not needed to quantize (q = rint(e * qmax) with e = exp(x - max))
@@ -64,6 +64,7 @@ struct Params {
   const float* scale_v;    // [BH, DV]
   __half* out;             // [BH, M, DV]
   int m, n, v;
+  int cached;              // blocks per warp whose scores stay in shared memory
   float softmax_scale;
 };
 
@@ -78,20 +79,24 @@ struct Cfg {
   static constexpr int kLaneWords = kLaneBytes / 4;
   // +16 bytes per shared row: 8 consecutive rows of one 16-byte column hit 8 distinct bank groups.
   static constexpr int kRowStride = (kKeyBytes > kValBytes ? kKeyBytes : kValBytes) + 16;
-  static constexpr int kStages = 3;
-  static constexpr int kTileBytes = kSlots * kRowStride;
+  static constexpr int kStages = kRowStride > 160 ? 2 : 3;
+  // A tile: 32 gathered rows, then (key tiles) the 32 column indices and key scales.
+  static constexpr int kMetaOffset = kSlots * kRowStride;
+  static constexpr int kTileBytes = kMetaOffset + kSlots * 8;
   static constexpr int kPPlanes = PB == 16 ? 2 : 1;
   static constexpr int kVPlanes = OP == kInt16 ? 2 : 1;
   static constexpr int kAccSets = kPPlanes == 2 && kVPlanes == 2 ? 3 : kPPlanes * kVPlanes;
   static constexpr int kMT = DV / 16;
-  static constexpr int kCached = 8;
   static constexpr int kCacheWords = 5;  // per lane and block: 4 half2 scores + the kept bits
+  static constexpr int kCacheBlockBytes = kWarps * kCacheWords * 32 * 4;  // one block per warp
   static constexpr int kShift = OP == kInt4 ? 4 : 0;
   static constexpr int kStageSmem = kWarps * kStages * kTileBytes;
-  static constexpr int kCacheSmem = kWarps * kCached * kCacheWords * 32 * 4;
   static constexpr int kReduceSmem = kWarps * 8 * DV * (kFp16 ? 4 : 8);
-  static constexpr int kSmem =
-      kStageSmem + kCacheSmem > kReduceSmem ? kStageSmem + kCacheSmem : kReduceSmem;
+  // Dynamic shared memory for a score cache of `cached` blocks per warp.
+  static constexpr int smem_bytes(int cached) {
+    return kStageSmem + cached * kCacheBlockBytes > kReduceSmem ? kStageSmem + cached * kCacheBlockBytes
+                                                                : kReduceSmem;
+  }
   static_assert(kKeyBytes % 16 == 0 && kValBytes % 16 == 0, "rows must be whole 16-byte chunks");
   static_assert(kLaneWords >= 1, "head dim too small");
 };
@@ -181,7 +186,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   const int count = p.row_ptr[2 * vrow + 1] - start;
   const int nb = (count + kSlots - 1) / kSlots;
   const int nbw = nb > warp ? (nb - warp + kWarps - 1) / kWarps : 0;  // this warp's blocks
-  const int nu = nbw > C::kCached ? nbw - C::kCached : 0;             // ... past the score cache
+  const int nu = nbw > p.cached ? nbw - p.cached : 0;  // ... past the score cache
   const int nc = nbw - nu;
   const bool row_live = g < v;
   const int64_t qrow0 = bh * p.m + static_cast<int64_t>(vrow) * v;
@@ -208,12 +213,12 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     if (i < nbw) { j = i; is_val = false; return; }
     i -= nbw;
     if constexpr (C::kFp16) {
-      if (i < nu) { j = C::kCached + i; is_val = false; return; }
+      if (i < nu) { j = p.cached + i; is_val = false; return; }
       i -= nu;
     }
     if (i < nc) { j = i; is_val = true; return; }
     i -= nc;
-    j = C::kCached + (i >> 1);
+    j = p.cached + (i >> 1);
     is_val = i & 1;
   };
   const uint32_t ring = smem_addr(smem) + warp * C::kStages * C::kTileBytes;
@@ -231,21 +236,40 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
                  live ? 16 : 0);
     }
   };
+  // The column indices of the entry after the one being issued are loaded one step ahead, so
+  // the gather addresses never wait on a dependent load.
+  int pf_col = -1;
+  auto prefetch_cols = [&](int i) {
+    if (i < entries) {
+      int j;
+      bool is_val;
+      entry(i, j, is_val);
+      pf_col = p.col_idx[slot_base + static_cast<int64_t>(warp + j * kWarps) * kSlots + lane];
+    }
+  };
   auto issue = [&](int i) {
     if (i < entries) {
       int j;
       bool is_val;
       entry(i, j, is_val);
-      const int blk = warp + j * kWarps;
-      const int col_l = p.col_idx[slot_base + static_cast<int64_t>(blk) * kSlots + lane];
+      const int col_l = pf_col;
       const uint32_t dst = ring + (i % C::kStages) * C::kTileBytes;
       if (is_val) {
         copy_tile(dst, p.val + bh * p.n * C::kValBytes, col_l, std::integral_constant<int, C::kValBytes>{});
       } else {
         copy_tile(dst, p.k + bh * p.n * C::kKeyBytes, col_l, std::integral_constant<int, C::kKeyBytes>{});
+        // Slot metadata for the scores: the column (a lane reads back its own) and the key scale.
+        const uint32_t meta = dst + C::kMetaOffset + lane * 4;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(meta), "r"(col_l));
+        if constexpr (!C::kFp16) {
+          const bool live = col_l >= 0 && col_l < p.n;
+          const float* src = p.scale_k + bh * p.n + (live ? col_l : 0);
+          cp_async4(meta + kSlots * 4, src, live ? 4 : 0);
+        }
       }
     }
     cp_async_commit();
+    prefetch_cols(i + 1);
   };
   int cursor = 0;
   auto next_tile = [&]() -> uint32_t {
@@ -256,17 +280,20 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     ++cursor;
     return tile;
   };
+  prefetch_cols(0);
 #pragma unroll
   for (int s = 0; s < C::kStages - 1; ++s) issue(s);
 
   // ---- Scores of one block: h[n] holds the fp16 scores of row g at slots 8n + 2t, 8n + 2t + 1
   // (low, high half); bit 2n + e of `bits` says whether slot 8n + 2t + e is kept.
-  auto block_scores = [&](uint32_t tile, int j, uint32_t (&h)[4], uint32_t& bits) {
-    const int blk = warp + j * kWarps;
-    const int col_l = p.col_idx[slot_base + static_cast<int64_t>(blk) * kSlots + lane];
+  auto block_scores = [&](uint32_t tile, uint32_t (&h)[4], uint32_t& bits) {
+    int col_l;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(col_l) : "r"(tile + C::kMetaOffset + lane * 4));
     const bool live_l = col_l >= 0 && col_l < p.n;
     float sk_l = 0.f;
-    if constexpr (!C::kFp16) sk_l = live_l ? p.scale_k[bh * p.n + col_l] : 0.f;
+    if constexpr (!C::kFp16) {
+      asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(sk_l) : "r"(tile + C::kMetaOffset + kSlots * 4 + lane * 4));
+    }
     const uint32_t live_mask = __ballot_sync(0xffffffffu, live_l);
     QkAcc<OP> acc[4];
 #pragma unroll
@@ -330,8 +357,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     return mx;
   };
 
-  // ---- Pass 1: scores (cached in shared memory for the first kCached blocks) and the row max.
-  uint32_t* cache = reinterpret_cast<uint32_t*>(smem + C::kStageSmem) + warp * C::kCached * C::kCacheWords * 32;
+  // ---- Pass 1: scores (cached in shared memory for the first `cached` blocks) and the row max.
+  uint32_t* cache = reinterpret_cast<uint32_t*>(smem + C::kStageSmem) + warp * p.cached * C::kCacheWords * 32;
   auto cache_store = [&](int j, const uint32_t (&h)[4], uint32_t bits) {
     uint32_t* c = cache + j * C::kCacheWords * 32 + lane;
 #pragma unroll
@@ -340,21 +367,21 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   };
   // A block's scores: from the cache, or recomputed from its key tile (the next in the stream).
   auto scores_of = [&](int j, uint32_t (&h)[4], uint32_t& bits) {
-    if (j < C::kCached) {
+    if (j < p.cached) {
       const uint32_t* c = cache + j * C::kCacheWords * 32 + lane;
 #pragma unroll
       for (int n = 0; n < 4; ++n) h[n] = c[32 * n];
       bits = c[32 * 4];
     } else {
-      block_scores(next_tile(), j, h, bits);
+      block_scores(next_tile(), h, bits);
     }
   };
   float mx = -INFINITY;
 #pragma unroll 1
   for (int j = 0; j < nbw; ++j) {
     uint32_t h[4], bits;
-    block_scores(next_tile(), j, h, bits);
-    if (j < C::kCached) cache_store(j, h, bits);
+    block_scores(next_tile(), h, bits);
+    if (j < p.cached) cache_store(j, h, bits);
     mx = block_max(h, bits, mx);
   }
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -365,12 +392,16 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
 #pragma unroll
   for (int w = 1; w < kWarps; ++w) row_max = fmaxf(row_max, red_max[w][g]);
 
-  // e = exp(x - max) of the kept slots (0 elsewhere), as the softmax kernel computes it.
+  // e = exp(x - max) of the kept slots (0 elsewhere). x and x - max are rounded separately, as
+  // the reference does: an FMA contraction would move quantized probabilities across a rounding
+  // boundary.
   auto block_exp = [&](const uint32_t (&h)[4], uint32_t bits, float (&e)[4][2]) {
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
-      e[n][0] = (bits >> (2 * n) & 1u) ? expf(half_lo(h[n]) * softmax_scale - row_max) : 0.f;
-      e[n][1] = (bits >> (2 * n + 1) & 1u) ? expf(half_hi(h[n]) * softmax_scale - row_max) : 0.f;
+      const float x0 = __fsub_rn(__fmul_rn(half_lo(h[n]), softmax_scale), row_max);
+      const float x1 = __fsub_rn(__fmul_rn(half_hi(h[n]), softmax_scale), row_max);
+      e[n][0] = (bits >> (2 * n) & 1u) ? expf(x0) : 0.f;
+      e[n][1] = (bits >> (2 * n + 1) & 1u) ? expf(x1) : 0.f;
     }
   };
 
