@@ -94,7 +94,8 @@ def evaluate(path: str | Path, backends=None, split: str | None = None, batch_si
         r = accuracy(model, ids, labels, batch_size, accelerator, max_batches, progress=progress, desc=name)
         rows.append({"backend": name, "description": DESCRIPTION[name], "accuracy": r["accuracy"],
                      "loss": r["loss"], "examples": r["examples"], "seconds": round(time.time() - t0, 2)})
-    state = json.loads((ckpt / "state.json").read_text()) if (ckpt / "state.json").is_file() else {}
+    meta = ckpt / "trainer_state.json"
+    state = {"step": json.loads(meta.read_text())["step"]} if meta.is_file() else {}
     return {
         "checkpoint": str(ckpt), "step": state.get("step"), "task": data_cfg["task"], "split": split,
         "trained_with": trained_with, "majority_baseline": majority, "sparsity": model.config.sparsity, "v": model.config.v,

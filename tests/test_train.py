@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from magicube.train.config import apply_overrides, config_names, load_config
-from magicube.train.trainer import batch_indices, latest_checkpoint, lra_lr_lambda, train
+from magicube.train.trainer import batch_indices, latest_checkpoint, lra_lr_lambda, read_trainer_state, train
 
 TINY_OVERRIDES = [
     "data.generate.num_train=256", "data.generate.num_val=32", "data.generate.num_test=32",
@@ -80,8 +80,7 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     a, b = tmp_path / "full" / "checkpoints" / "step_0000012", tmp_path / "cut" / "checkpoints" / "step_0000012"
     wa, wb = _weights(a), _weights(b)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    oa = torch.load(a / "optimizer.pt", weights_only=True)["state"]
-    ob = torch.load(b / "optimizer.pt", weights_only=True)["state"]
+    oa, ob = read_trainer_state(a)["optimizer"]["state"], read_trainer_state(b)["optimizer"]["state"]
     assert all(torch.equal(oa[i]["exp_avg_sq"], ob[i]["exp_avg_sq"]) for i in oa)
     assert _records(tmp_path / "full") == _records(tmp_path / "cut")  # no duplicated or lost log lines
     assert full["eval_accuracy"] == resumed["eval_accuracy"]
@@ -92,9 +91,12 @@ def test_checkpoint_contents_and_retention(tmp_path):
     root = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000008"]
     ckpt = root / "step_0000008"
-    assert {"model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json",
-            "run_config.yaml"} <= {p.name for p in ckpt.iterdir()}
-    assert json.loads((ckpt / "state.json").read_text()) == {"step": 8}
+    assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "config.json", "trainer_state.safetensors",
+                                                "trainer_state.json", "run_config.yaml"}  # no pickles
+    state = read_trainer_state(ckpt)
+    assert state["step"] == 8 and state["scheduler"]["last_epoch"] == 8
+    assert isinstance(state["rng"]["python"], tuple) and all(isinstance(k, int) for k in state["optimizer"]["state"])
+    assert state["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.98)
     assert any(k.endswith("attn.mask") for k in _weights(ckpt))
     recs = _records(tmp_path / "run")
     assert [r["step"] for r in recs if "eval_accuracy" in r] == [4, 8]

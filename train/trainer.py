@@ -64,9 +64,9 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     pointer = root / LATEST
     if pointer.is_file():
         p = root / pointer.read_text().strip()
-        if (p / "state.json").is_file():
+        if (p / "trainer_state.json").is_file():
             return p
-    done = sorted(p for p in root.glob("step_*") if p.is_dir() and (p / "state.json").is_file())
+    done = sorted(p for p in root.glob("step_*") if p.is_dir() and (p / "trainer_state.json").is_file())
     return done[-1] if done else None
 
 
@@ -76,9 +76,47 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _encode(obj, tensors: dict, key: str = "t"):
+    """A nested state (dicts, lists, tuples, numbers, tensors, numpy arrays) -> JSON, tensors set aside.
+
+    Checkpoints thus hold no pickles: tensors go to safetensors, everything else to JSON, and
+    container types (int dict keys, tuples) survive the round trip exactly.
+    """
+    if isinstance(obj, torch.Tensor):
+        tensors[key] = obj.detach().cpu().contiguous().clone()
+        return {"__tensor__": key}
+    if isinstance(obj, np.ndarray):
+        tensors[key] = torch.from_numpy(obj.astype(np.int64) if obj.dtype == np.uint32 else obj.copy())
+        return {"__ndarray__": key, "dtype": str(obj.dtype)}
+    if isinstance(obj, dict):
+        return {"__dict__": [[k, _encode(v, tensors, f"{key}.{k}")] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        items = [_encode(v, tensors, f"{key}.{i}") for i, v in enumerate(obj)]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def _decode(obj, tensors: dict):
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        return tensors[obj["__tensor__"]]
+    if "__ndarray__" in obj:
+        return tensors[obj["__ndarray__"]].numpy().astype(obj["dtype"])
+    if "__tuple__" in obj:
+        return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+    return {k: _decode(v, tensors) for k, v in obj["__dict__"]}
+
+
 def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, accelerator, cfg: dict,
                     keep: int | None) -> Path:
     """Write everything to a temporary directory, then rename it into place: never half a checkpoint."""
+    from safetensors.torch import save_file
+
     root = out_dir / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:07d}"
@@ -92,18 +130,16 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, accel
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    if accelerator.scaler is not None:
-        torch.save(accelerator.scaler.state_dict(), tmp / "scaler.pt")
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    rng = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
-           "numpy": [torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss]}
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, tmp / "rng.pt")
+    state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+             "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None, "rng": rng}
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _encode(state, tensors)
+    save_file(tensors, tmp / "trainer_state.safetensors")
+    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "state": skeleton}))
     dump_config(cfg, tmp / "run_config.yaml")
-    (tmp / "state.json").write_text(json.dumps({"step": step}))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _write_atomic(root / LATEST, final.name)
@@ -113,23 +149,30 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, accel
     return final
 
 
+def read_trainer_state(path: Path) -> dict:
+    """The optimizer, scheduler, scaler, RNG and step state of a checkpoint."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(path / "trainer_state.safetensors", device="cpu")
+    return _decode(json.loads((path / "trainer_state.json").read_text())["state"], tensors)
+
+
 def load_checkpoint(path: Path, model, optimizer, scheduler, accelerator) -> int:
     from safetensors.torch import load_file
 
-    state = load_file(path / "model.safetensors", device="cpu")
-    accelerator.unwrap_model(model).load_state_dict(state)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    if accelerator.scaler is not None and (path / "scaler.pt").is_file():
-        accelerator.scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
-    rng = torch.load(path / "rng.pt", weights_only=True)
+    accelerator.unwrap_model(model).load_state_dict(load_file(path / "model.safetensors", device="cpu"))
+    state = read_trainer_state(path)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if accelerator.scaler is not None and state["scaler"] is not None:
+        accelerator.scaler.load_state_dict(state["scaler"])
+    rng = state["rng"]
     torch.set_rng_state(rng["torch"])
-    random.setstate((3, tuple(rng["python"]), None))
-    keys, pos, has_gauss, gauss = rng["numpy"]
-    np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
     if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(rng["cuda"])
-    return json.loads((path / "state.json").read_text())["step"]
+    return state["step"]
 
 
 def _comparable(cfg: dict) -> dict:
