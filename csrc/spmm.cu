@@ -14,8 +14,8 @@ using magicube::spmm_detail::kThreads;
 using magicube::spmm_detail::kSlots;
 
 void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device) {
-  TORCH_CHECK(t.is_cuda(), "spmm: ", name, " must be a CUDA tensor, got one on ", t.device());
-  TORCH_CHECK(t.device() == device, "spmm: ", name, " is on ", t.device(), " but b is on ", device);
+  TORCH_CHECK(t.is_cuda(), "spmm: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.device() == device, "spmm: ", name, " must be on b's device");
   TORCH_CHECK(t.is_contiguous(), "spmm: ", name, " must be contiguous");
 }
 
@@ -72,8 +72,10 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   const bool fp16 = a_values.scalar_type() == at::kHalf;
   int64_t n;
   if (fp16) {
-    TORCH_CHECK(b.scalar_type() == at::kHalf, "spmm: fp16 a_values need fp16 b, got ", b.scalar_type());
-    TORCH_CHECK(out_dtype == at::kHalf, "spmm: fp16 inputs give a float16 output, got ", out_dtype);
+    TORCH_CHECK(b.scalar_type() == at::kHalf, "spmm: fp16 a_values need fp16 b, got ",
+                c10::toString(b.scalar_type()));
+    TORCH_CHECK(out_dtype == at::kHalf, "spmm: fp16 inputs give a float16 output, got ",
+                c10::toString(out_dtype));
     TORCH_CHECK(!scale_a.has_value() && !scale_b.has_value(), "spmm: fp16 inputs take no scale_a/scale_b");
     n = b.size(2);
   } else {
@@ -85,12 +87,13 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
     TORCH_CHECK(a_signed || a_bits != 12, "spmm: 12-bit a_values are signed only");
     const at::ScalarType a_type = a_bits >= 12 ? at::kShort : (a_bits == 8 && a_signed ? at::kChar : at::kByte);
     TORCH_CHECK(a_values.scalar_type() == a_type, "spmm: a_values of ", a_bits, " bits (",
-                a_signed ? "signed" : "unsigned", ") must be ", a_type, ", got ", a_values.scalar_type());
+                a_signed ? "signed" : "unsigned", ") must be ", c10::toString(a_type), ", got ",
+                c10::toString(a_values.scalar_type()));
     const at::ScalarType b_type = b_bits == 16 ? at::kShort : (b_bits == 8 ? at::kChar : at::kByte);
-    TORCH_CHECK(b.scalar_type() == b_type, "spmm: b of ", b_bits, " bits must be ", b_type, ", got ",
-                b.scalar_type());
+    TORCH_CHECK(b.scalar_type() == b_type, "spmm: b of ", b_bits, " bits must be ", c10::toString(b_type),
+                ", got ", c10::toString(b.scalar_type()));
     TORCH_CHECK(out_dtype == at::kLong || out_dtype == at::kHalf, "spmm: out_dtype must be int64 or float16, got ",
-                out_dtype);
+                c10::toString(out_dtype));
     n = b.size(2) * (b_bits == 4 ? 2 : 1);
     if (out_dtype == at::kHalf) {
       TORCH_CHECK(scale_a.has_value() && scale_b.has_value(), "spmm: a float16 output needs scale_a and scale_b");
@@ -99,7 +102,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   const int64_t a_elems = (!fp16 && a_bits == 4) ? nnz_pad * v / 2 : nnz_pad * v;
   TORCH_CHECK(a_values.dim() == 2 && a_values.size(0) == bh && a_values.size(1) == a_elems,
               "spmm: a_values must be [BH, nnz_pad*V", (!fp16 && a_bits == 4) ? "/2" : "", "] = [", bh, ", ",
-              a_elems, "], got ", a_values.sizes());
+              a_elems, "], got a ", a_values.dim(), "-D tensor of ", a_values.numel(), " elements");
   const float* sa = nullptr;
   const float* sb = nullptr;
   if (!fp16 && out_dtype == at::kHalf) {
@@ -108,11 +111,9 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
     check_cuda_tensor(ta, "scale_a", device);
     check_cuda_tensor(tb, "scale_b", device);
     TORCH_CHECK(ta.scalar_type() == at::kFloat && ta.dim() == 2 && ta.size(0) == bh && ta.size(1) == m,
-                "spmm: scale_a must be float32 [BH, M] = [", bh, ", ", m, "], got ", ta.scalar_type(), " ",
-                ta.sizes());
+                "spmm: scale_a must be float32 [BH, M] = [", bh, ", ", m, "]");
     TORCH_CHECK(tb.scalar_type() == at::kFloat && tb.dim() == 2 && tb.size(0) == bh && tb.size(1) == n,
-                "spmm: scale_b must be float32 [BH, N] = [", bh, ", ", n, "], got ", tb.scalar_type(), " ",
-                tb.sizes());
+                "spmm: scale_b must be float32 [BH, N] = [", bh, ", ", n, "]");
     sa = ta.data_ptr<float>();
     sb = tb.data_ptr<float>();
   }
@@ -154,10 +155,6 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   p.copy_bytes = copy_bytes;
   p.out_int64 = out_dtype == at::kLong;
 
-  if (vrows == 0) {
-    out.zero_();
-    return out;
-  }
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool fast = copy_bytes == 16;
 
