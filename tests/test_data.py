@@ -63,9 +63,12 @@ def test_imdb_dataset_encoding_and_cache(tmp_path, reviews, monkeypatch):
     monkeypatch.setattr(imdb, "read_imdb", lambda path: reviews)  # read once per module, above
     ds = data.build_datasets(cfg, 300)
     assert set(ds) == {"train", "test"} and len(ds["train"]) == 16
+    assert 0 < sum(ds["test"]["label"]) < 16  # the subset is not one class
     row = ds["train"][3]
-    text = reviews["train"]["text"][3]
-    assert row["label"] == reviews["train"]["label"][3]
+    decoded = bytes(b - 1 for b in row["input_ids"] if b)
+    i = next(i for i, t in enumerate(reviews["train"]["text"]) if t[:300] == decoded)
+    text = reviews["train"]["text"][i]
+    assert row["label"] == reviews["train"]["label"][i]
     expect = [b + 1 for b in text[:300]] + [0] * max(0, 300 - len(text))
     assert row["input_ids"] == expect
     assert max(max(r) for r in ds["test"]["input_ids"]) <= 256

@@ -1,7 +1,7 @@
 """Task data as `datasets` tables: encoded once, cached as Arrow, handed to training as tensors.
 
 `data` config keys: task ("text" | "listops"), path (IMDB archive/folder, or the folder of
-ListOps TSVs), cache_dir, limit (first N examples per split, for quick runs), and for ListOps
+ListOps TSVs), cache_dir, limit (a fixed random N examples per split, for quick runs), and for ListOps
 `generate` (a ListOpsSpec as a dict) with `auto_generate` (write the TSVs when missing).
 """
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -21,7 +22,7 @@ from . import imdb, listops
 NUM_CLASSES = {"text": 2, "listops": 10}
 VOCAB_SIZE = {"text": 257, "listops": len(listops.VOCAB)}
 EVAL_SPLIT = {"text": "test", "listops": "val"}  # LRA text has no validation split
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 def listops_spec(cfg: dict) -> listops.ListOpsSpec:
@@ -107,7 +108,12 @@ def build_datasets(cfg: dict, length: int):
     datasets.disable_progress_bars()  # seconds of work: the training bar is the one to watch
     try:
         for s in splits:
-            t = tables[s] if limit is None else {k: v[:limit] for k, v in tables[s].items()}
+            t = tables[s]
+            n = len(t["label"])
+            if limit is not None and limit < n:
+                # a fixed random subset: IMDB splits are sorted by label, so a prefix would be one class
+                keep = sorted(random.Random(0).sample(range(n), limit))
+                t = {k: [v[i] for i in keep] for k, v in t.items()}
             ds = datasets.Dataset.from_dict(t)
             ds = ds.map(_encode_batch(length, encode), batched=True, batch_size=1000,
                         remove_columns=[c for c in ds.column_names if c != "label"], features=features)

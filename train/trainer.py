@@ -230,7 +230,8 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
     tc = cfg["train"]
     seed = int(cfg.get("seed", 0))
     out_dir = Path(cfg.get("out_dir") or f"runs/{cfg.get('name', 'run')}")
-    accelerator = Accelerator(mixed_precision=tc.get("mixed_precision", "no"), cpu=bool(tc.get("cpu", False)))
+    mixed = tc.get("mixed_precision") or "no"  # YAML reads a bare `no` as False
+    accelerator = Accelerator(mixed_precision=mixed, cpu=bool(tc.get("cpu", False)))
     main = accelerator.is_main_process
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
