@@ -4,6 +4,11 @@ Batches are a pure function of (seed, step): step s reads slice s of a per-epoch
 and the dropout generator is re-seeded from (seed, step, rank) every step. A resumed run
 therefore continues exactly where the interrupted one stood, given the weights, optimizer,
 scheduler (and loss scaler) state in the last checkpoint.
+
+Devices, mixed precision (train.mixed_precision: no / fp16 / bf16) and data-parallel runs come
+from accelerate; on several GPUs the global batch is split over the processes:
+
+    accelerate launch --num_processes 4 -m magicube.eval.cli train --config lra_text
 """
 from __future__ import annotations
 
@@ -295,7 +300,7 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
     model.train()
     bar = tqdm(total=steps, initial=start, desc=cfg.get("name", "train"), disable=not (progress and main),
                dynamic_ncols=True)
-    last_eval, window, t0 = None, [], time.time()
+    last_eval, window, loss, t0 = None, [], float("nan"), time.time()
     step = start
     while step < steps:
         torch.manual_seed(step_seed(seed, step, rank))
@@ -310,9 +315,10 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        window.append((out.loss.item(), (out.logits.argmax(-1) == y).float().mean().item()))
+        # kept on the device: reading it every step would stall the GPU queue
+        window.append(torch.stack([out.loss.detach().float(), (out.logits.argmax(-1) == y).float().mean()]))
         if step % log_every == 0 or step == steps:
-            loss, acc = (sum(v) / len(window) for v in zip(*window))
+            loss, acc = torch.stack(window).mean(0).tolist()
             log({"step": step, "loss": loss, "accuracy": acc, "lr": scheduler.get_last_lr()[0],
                  "elapsed_s": round(time.time() - t0, 3)})
             bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.3f}",
@@ -320,7 +326,7 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
             window = []
         if (eval_every and step % eval_every == 0) or step == steps:
             last_eval = evaluate_now(step)["accuracy"]
-            bar.set_postfix(loss=f"{out.loss.item():.3f}", eval=f"{last_eval:.3f}")
+            bar.set_postfix(loss=f"{loss:.3f}", eval=f"{last_eval:.3f}")
         if (ckpt_every and step % ckpt_every == 0) or step == steps:
             accelerator.wait_for_everyone()
             if main:
