@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import time
@@ -42,8 +43,9 @@ def _cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     summary = train(cfg, resume=not args.no_resume, progress=not args.no_progress)
-    print(f"trained to step {summary['step']} in {summary['seconds']} s; eval accuracy {summary['eval_accuracy']}; "
-          f"checkpoint {summary['checkpoint']}")
+    if int(os.environ.get("RANK", "0")) == 0:  # one line, not one per process of a distributed run
+        print(f"trained to step {summary['step']} in {summary['seconds']} s; eval accuracy {summary['eval_accuracy']}; "
+              f"checkpoint {summary['checkpoint']}")
     return 0
 
 

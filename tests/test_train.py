@@ -120,3 +120,21 @@ def test_text_task_end_to_end(tmp_path, monkeypatch):
     assert summary["step"] == 30 and summary["eval_accuracy"] > 0.9  # trivially separable
     assert json.loads((tmp_path / "run" / "checkpoints" / "step_0000030" / "config.json").read_text())[
         "vocab_size"] == 257
+
+
+@pytest.mark.slow
+def test_data_parallel_on_two_cpu_processes(tmp_path):
+    """DDP through accelerate (gloo): the global batch split over 2 processes, evaluation reduced over both."""
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "magicube.eval.cli",
+            "train", "--config", "tiny", "--no-progress", *TINY_OVERRIDES, f"data.path={tmp_path / 'listops'}",
+            f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'run'}", "train.cpu=true"]
+    r = subprocess.run([*args, "train.steps=4"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("trained to step 4") == 1
+    evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if "eval_accuracy" in line]
+    assert [e["step"] for e in evals] == [4] and evals[0]["eval_examples"] == 32
+    assert latest_checkpoint(tmp_path / "run").name == "step_0000004"
