@@ -136,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=_cmd_evaluate)
 
     b = sub.add_parser("bench", help="end-to-end latency benchmark (not built yet)")
-    b.set_defaults(func=_not_built("bench", " Kernel benchmarks: python -m magicube.eval.bench_spmm and "
-                                            "python -m magicube.eval.bench_sddmm."))
+    b.set_defaults(func=_not_built("bench", " Kernel benchmarks: python -m magicube.eval.bench_spmm, "
+                                            "python -m magicube.eval.bench_sddmm and python -m "
+                                            "magicube.eval.bench_attention."))
 
     m = sub.add_parser("demo", help="generate a small ListOps set, train the tiny config, evaluate every backend")
     m.add_argument("--config", default="tiny")
