@@ -53,7 +53,7 @@ def _cmd_evaluate(args) -> int:
     from magicube.eval.evaluate import evaluate, to_markdown, write_report
 
     report = evaluate(args.checkpoint, backends=args.backends, split=args.split, batch_size=args.batch_size,
-                      max_batches=args.max_batches, progress=not args.no_progress)
+                      max_batches=args.max_batches, progress=not args.no_progress, fused=args.fused)
     out = args.out or Path(report["checkpoint"]).parent.parent / f"eval_{report['split']}"
     md, js = write_report(report, out)
     print(to_markdown(report))
@@ -132,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=int)
     e.add_argument("--max-batches", type=int, help="evaluate only the first N batches")
     e.add_argument("--out", help="report path without suffix (.md and .json are written)")
+    e.add_argument("--fused", action="store_true", help="run the sparse backends as the one fused attention op")
     e.add_argument("--no-progress", action="store_true")
     e.set_defaults(func=_cmd_evaluate)
 

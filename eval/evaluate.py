@@ -55,7 +55,7 @@ def _commit() -> str | None:
 
 def evaluate(path: str | Path, backends=None, split: str | None = None, batch_size: int | None = None,
              max_batches: int | None = None, progress: bool = True, data_overrides: dict | None = None,
-             accelerator: Accelerator | None = None) -> dict:
+             accelerator: Accelerator | None = None, fused: bool = False) -> dict:
     ckpt = resolve_checkpoint(path)
     cfg = load_config(ckpt / "run_config.yaml")
     data_cfg = {**cfg["data"], **(data_overrides or {})}
@@ -79,6 +79,7 @@ def evaluate(path: str | Path, backends=None, split: str | None = None, batch_si
         if bars:
             hf_logging.enable_progress_bar()
     trained_with = model.config.attention
+    model.config.fused = fused
     splits = data_mod.load_tensors(data_cfg, model.config.input_len)
     if split not in splits:
         raise ValueError(f"split {split!r} not in the {data_cfg['task']} data (has {sorted(splits)})")
@@ -99,7 +100,7 @@ def evaluate(path: str | Path, backends=None, split: str | None = None, batch_si
     return {
         "checkpoint": str(ckpt), "step": state.get("step"), "task": data_cfg["task"], "split": split,
         "trained_with": trained_with, "majority_baseline": majority, "sparsity": model.config.sparsity, "v": model.config.v,
-        "mask_kind": model.config.mask_kind, "device": _device_name(accelerator.device),
+        "mask_kind": model.config.mask_kind, "fused": fused, "device": _device_name(accelerator.device),
         "torch": torch.__version__, "python": platform.python_version(), "commit": _commit(), "results": rows,
     }
 

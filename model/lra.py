@@ -11,6 +11,8 @@ One block: x + Attn(LN(x)), then x + MLP(LN(x)) with GELU. Attention backends (c
     8b-8b    Q, K, V in 8 bits, probabilities in 8 bits
     8b-4b    Q, K, V in 4 bits, probabilities in 8 bits  ("softmax bits - QKV bits")
 
+With config.fused the three ops run as the one op magicube.ops.sparse_attention (same roundings).
+
 The ops have no backward, so whenever gradients are needed the sparse backend runs the
 same function as masked dense attention (scores outside the mask at -inf). Padding tokens
 are not masked out: the mask is shared by the whole batch, as the kernels require.
@@ -40,11 +42,12 @@ class LRAConfig(PretrainedConfig):
 
     def __init__(self, vocab_size=257, num_classes=2, max_len=4096, emb_dim=256, num_heads=4, num_layers=4,
                  mlp_dim=1024, dropout=0.1, attention_dropout=0.1, pool="cls", attention="dense",
-                 sparse_impl="auto", mask_kind="random", sparsity=0.9, v=8, mask_seed=0, window=32, **kwargs):
+                 sparse_impl="auto", fused=False, mask_kind="random", sparsity=0.9, v=8, mask_seed=0, window=32,
+                 **kwargs):
         self.vocab_size, self.num_classes, self.max_len = vocab_size, num_classes, max_len
         self.emb_dim, self.num_heads, self.num_layers, self.mlp_dim = emb_dim, num_heads, num_layers, mlp_dim
         self.dropout, self.attention_dropout, self.pool = dropout, attention_dropout, pool
-        self.attention, self.sparse_impl = attention, sparse_impl
+        self.attention, self.sparse_impl, self.fused = attention, sparse_impl, fused
         self.mask_kind, self.sparsity, self.v, self.mask_seed, self.window = mask_kind, sparsity, v, mask_seed, window
         super().__init__(**kwargs)
         self.validate_lra()
@@ -129,12 +132,18 @@ class Attention(nn.Module):
         pat = self.pattern(q.device)
         q, k, v = (t.reshape(B * H, T, d) for t in (q, k, v))
         if self.config.attention == "sparse":
+            if self.config.fused:
+                y = ops.sparse_attention(pat, q.half(), k.half(), v.half(), softmax_scale=d ** -0.5)
+                return y.view(B, H, T, d)
             s = ops.sddmm(pat, q.half(), k.half(), bits=16)
             p, _ = ops.sparse_softmax(pat, s, scale=d ** -0.5, out_bits=0)
             y = ops.spmm(pat, p, v.half(), a_bits=16, b_bits=16)
         else:
             p_bits, bits = QUANTIZED[self.config.attention]
             (qq, sq), (kq, sk), (vq, sv) = (self.quantize(t, bits) for t in (q, k, v))
+            if self.config.fused:
+                return ops.sparse_attention(pat, qq, kq, vq, softmax_scale=d ** -0.5, qk_bits=bits, p_bits=p_bits,
+                                            scale_q=sq, scale_k=sk, scale_v=sv).view(B, H, T, d)
             s = ops.sddmm(pat, qq, kq, bits=bits, scale_a=sq, scale_b=sk)
             p, row_scale = ops.sparse_softmax(pat, s, scale=d ** -0.5, out_bits=p_bits)
             y = ops.spmm(pat, p, vq, a_bits=p_bits, a_signed=False, b_bits=bits, scale_a=row_scale, scale_b=sv)

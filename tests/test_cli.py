@@ -34,11 +34,11 @@ def test_demo_trains_and_evaluates_every_backend(tmp_path, capsys):
     assert (out / "eval_test.md").read_text().startswith("listops test accuracy")
 
     # evaluate again from the run folder, with a chosen subset of backends
-    assert main(["evaluate", str(out), "--backends", "dense", "8b-8b", "--no-progress",
+    assert main(["evaluate", str(out), "--backends", "dense", "8b-8b", "--no-progress", "--fused",
                  "--out", str(tmp_path / "again")]) == 0
     again = json.loads((tmp_path / "again.json").read_text())
-    assert [r["backend"] for r in again["results"]] == ["dense", "8b-8b"]
-    assert again["results"][0]["accuracy"] == rows["dense"]["accuracy"]
+    assert again["fused"] and [r["backend"] for r in again["results"]] == ["dense", "8b-8b"]
+    assert [r["loss"] for r in again["results"]] == [rows["dense"]["loss"], rows["8b-8b"]["loss"]]
 
 
 def test_train_resumes_and_data_listops(tmp_path, capsys):

@@ -72,6 +72,16 @@ def test_quantized_backends_close_to_fp(backend, tol):
         assert rel > (attn.sparse_ops(q, k, v).float() - ref).norm() / ref.norm()  # fewer bits, more error
 
 
+@pytest.mark.parametrize("backend", ["sparse", "16b-8b", "8b-8b", "8b-4b"])
+def test_fused_op_matches_the_three_ops(backend):
+    model = LRAClassifier(small_config(attention=backend))
+    attn = model.blocks[0].attn
+    q, k, v = qkv(seed=2)
+    unfused = attn.sparse_ops(q, k, v)
+    model.config.fused = True
+    assert torch.equal(attn.sparse_ops(q, k, v), unfused)
+
+
 def test_training_path_and_gradients():
     torch.manual_seed(0)
     model = LRAClassifier(small_config()).train()
