@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cuda_fp16.h>
 
+#include "check.cuh"
 #include "sddmm_mma.cuh"
 
 namespace magicube_sddmm {
@@ -336,38 +337,38 @@ at::Tensor sddmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx,
                       const std::optional<at::Tensor>& scale_a,
                       const std::optional<at::Tensor>& scale_b, int64_t v, int64_t bits,
                       at::ScalarType out_dtype) {
-  TORCH_CHECK(v == 2 || v == 4 || v == 8, "sddmm: v must be 2, 4 or 8, got ", v);
-  TORCH_CHECK(a.is_cuda() && b.is_cuda(), "sddmm: a and b must be CUDA tensors");
+  MAGICUBE_CHECK(v == 2 || v == 4 || v == 8, "sddmm: v must be 2, 4 or 8, got ", v);
+  MAGICUBE_CHECK(a.is_cuda() && b.is_cuda(), "sddmm: a and b must be CUDA tensors");
   const c10::cuda::CUDAGuard guard(a.device());
   for (const auto* p : {&row_ptr, &col_idx, &row_order}) {
-    TORCH_CHECK(p->device() == a.device(), "sddmm: row_ptr, col_idx and row_order must be on a's device");
-    TORCH_CHECK(p->scalar_type() == at::kInt && p->dim() == 1 && p->is_contiguous(),
+    MAGICUBE_CHECK(p->device() == a.device(), "sddmm: row_ptr, col_idx and row_order must be on a's device");
+    MAGICUBE_CHECK(p->scalar_type() == at::kInt && p->dim() == 1 && p->is_contiguous(),
                 "sddmm: row_ptr, col_idx and row_order must be contiguous 1-D int32 tensors");
   }
-  TORCH_CHECK(b.device() == a.device(), "sddmm: b must be on a's device");
-  TORCH_CHECK(a.dim() == 3 && b.dim() == 3, "sddmm: a must be [BH, M, K] and b [BH, N, K]");
-  TORCH_CHECK(a.is_contiguous() && b.is_contiguous(), "sddmm: a and b must be contiguous");
-  TORCH_CHECK(a.size(0) == b.size(0), "sddmm: a and b must have the same batch size BH, got ",
+  MAGICUBE_CHECK(b.device() == a.device(), "sddmm: b must be on a's device");
+  MAGICUBE_CHECK(a.dim() == 3 && b.dim() == 3, "sddmm: a must be [BH, M, K] and b [BH, N, K]");
+  MAGICUBE_CHECK(a.is_contiguous() && b.is_contiguous(), "sddmm: a and b must be contiguous");
+  MAGICUBE_CHECK(a.size(0) == b.size(0), "sddmm: a and b must have the same batch size BH, got ",
               a.size(0), " and ", b.size(0));
-  TORCH_CHECK(a.size(2) == b.size(2), "sddmm: a and b must have the same last dim, got ",
+  MAGICUBE_CHECK(a.size(2) == b.size(2), "sddmm: a and b must have the same last dim, got ",
               a.size(2), " and ", b.size(2));
 
   const bool half = a.scalar_type() == at::kHalf;
   int mode;
   if (half) {
-    TORCH_CHECK(bits == 16, "sddmm: float16 operands need bits=16, got ", bits);
-    TORCH_CHECK(b.scalar_type() == at::kHalf, "sddmm: b must be float16 like a");
-    TORCH_CHECK(!scale_a.has_value() && !scale_b.has_value(), "sddmm: float16 operands take no scales");
-    TORCH_CHECK(out_dtype == at::kHalf, "sddmm: float16 operands give out_dtype float16");
+    MAGICUBE_CHECK(bits == 16, "sddmm: float16 operands need bits=16, got ", bits);
+    MAGICUBE_CHECK(b.scalar_type() == at::kHalf, "sddmm: b must be float16 like a");
+    MAGICUBE_CHECK(!scale_a.has_value() && !scale_b.has_value(), "sddmm: float16 operands take no scales");
+    MAGICUBE_CHECK(out_dtype == at::kHalf, "sddmm: float16 operands give out_dtype float16");
     mode = kHalf;
   } else {
     const at::ScalarType want = bits == 16 ? at::kShort : bits == 8 ? at::kChar : at::kByte;
-    TORCH_CHECK(bits == 16 || bits == 8 || bits == 4, "sddmm: bits must be 16, 8 or 4, got ", bits);
-    TORCH_CHECK(a.scalar_type() == want, "sddmm: a must be ", c10::toString(want), " for bits=", bits,
+    MAGICUBE_CHECK(bits == 16 || bits == 8 || bits == 4, "sddmm: bits must be 16, 8 or 4, got ", bits);
+    MAGICUBE_CHECK(a.scalar_type() == want, "sddmm: a must be ", c10::toString(want), " for bits=", bits,
                 ", got ", c10::toString(a.scalar_type()));
-    TORCH_CHECK(b.scalar_type() == want, "sddmm: b must be ", c10::toString(want), " for bits=", bits,
+    MAGICUBE_CHECK(b.scalar_type() == want, "sddmm: b must be ", c10::toString(want), " for bits=", bits,
                 ", got ", c10::toString(b.scalar_type()));
-    TORCH_CHECK(out_dtype == at::kHalf || out_dtype == at::kLong,
+    MAGICUBE_CHECK(out_dtype == at::kHalf || out_dtype == at::kLong,
                 "sddmm: out_dtype must be float16 or int64, got ", c10::toString(out_dtype));
     mode = bits == 16 ? kInt16 : bits == 8 ? kInt8 : kInt4;
   }
@@ -375,37 +376,37 @@ at::Tensor sddmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx,
   const int64_t bh = a.size(0), m = a.size(1), n = b.size(1);
   const int64_t k = mode == kInt4 ? 2 * a.size(2) : a.size(2);
   const int64_t row_bytes = a.size(2) * a.element_size();
-  TORCH_CHECK(m % v == 0, "sddmm: M (", m, ") must be a multiple of v (", v, ")");
+  MAGICUBE_CHECK(m % v == 0, "sddmm: M (", m, ") must be a multiple of v (", v, ")");
   const int64_t num_vrows = m / v;
-  TORCH_CHECK(row_ptr.numel() == 2 * num_vrows, "sddmm: row_ptr must have 2 * M / v = ",
+  MAGICUBE_CHECK(row_ptr.numel() == 2 * num_vrows, "sddmm: row_ptr must have 2 * M / v = ",
               2 * num_vrows, " entries, got ", row_ptr.numel());
-  TORCH_CHECK(row_order.numel() == num_vrows, "sddmm: row_order must have M / v = ", num_vrows,
+  MAGICUBE_CHECK(row_order.numel() == num_vrows, "sddmm: row_order must have M / v = ", num_vrows,
               " entries, got ", row_order.numel());
   // int32 accumulators: per plane product |term| <= 2^15 (s8 x s8), 2^16 (u8 x u8) or
   // 2^16 for the two summed cross planes, so K is bounded for the sum to fit.
   const int64_t k_max = mode == kInt16 ? 32768 : mode == kHalf ? INT32_MAX / 64 : 131071;
-  TORCH_CHECK(k <= k_max, "sddmm: K = ", k, " exceeds the exact int32 accumulation limit ", k_max);
-  TORCH_CHECK(n < INT32_MAX && m < INT32_MAX && bh <= 65535, "sddmm: a or b is too large");
+  MAGICUBE_CHECK(k <= k_max, "sddmm: K = ", k, " exceeds the exact int32 accumulation limit ", k_max);
+  MAGICUBE_CHECK(n < INT32_MAX && m < INT32_MAX && bh <= 65535, "sddmm: a or b is too large");
 
   constexpr int64_t S = 32;
   const int64_t nnz_pad = col_idx.numel();
-  TORCH_CHECK(nnz_pad % S == 0, "sddmm: col_idx length (", nnz_pad,
+  MAGICUBE_CHECK(nnz_pad % S == 0, "sddmm: col_idx length (", nnz_pad,
               ") must be a multiple of the stride ", S);
-  TORCH_CHECK(nnz_pad / S < INT32_MAX, "sddmm: col_idx is too long");
+  MAGICUBE_CHECK(nnz_pad / S < INT32_MAX, "sddmm: col_idx is too long");
 
   const float* sa = nullptr;
   const float* sb = nullptr;
   if (!half && out_dtype == at::kHalf) {
-    TORCH_CHECK(scale_a.has_value() && scale_b.has_value(),
+    MAGICUBE_CHECK(scale_a.has_value() && scale_b.has_value(),
                 "sddmm: scale_a and scale_b are required for a float16 output");
     const auto& ta = *scale_a;
     const auto& tb = *scale_b;
-    TORCH_CHECK(ta.device() == a.device() && tb.device() == a.device(),
+    MAGICUBE_CHECK(ta.device() == a.device() && tb.device() == a.device(),
                 "sddmm: scale_a and scale_b must be on a's device");
-    TORCH_CHECK(ta.scalar_type() == at::kFloat && ta.is_contiguous() && ta.dim() == 2 &&
+    MAGICUBE_CHECK(ta.scalar_type() == at::kFloat && ta.is_contiguous() && ta.dim() == 2 &&
                     ta.size(0) == bh && ta.size(1) == m,
                 "sddmm: scale_a must be a contiguous float32 [BH, M] = [", bh, ", ", m, "] tensor");
-    TORCH_CHECK(tb.scalar_type() == at::kFloat && tb.is_contiguous() && tb.dim() == 2 &&
+    MAGICUBE_CHECK(tb.scalar_type() == at::kFloat && tb.is_contiguous() && tb.dim() == 2 &&
                     tb.size(0) == bh && tb.size(1) == n,
                 "sddmm: scale_b must be a contiguous float32 [BH, N] = [", bh, ", ", n, "] tensor");
     sa = ta.data_ptr<float>();

@@ -22,6 +22,8 @@
 #include <cuda_fp16.h>
 #include <tuple>
 
+#include "check.cuh"
+
 namespace magicube_softmax {
 
 constexpr int kWarps = 4;
@@ -255,32 +257,32 @@ std::tuple<at::Tensor, at::Tensor> sparse_softmax_cuda(const at::Tensor& row_ptr
                                                        const at::Tensor& row_order,
                                                        const at::Tensor& values, int64_t v,
                                                        double scale, int64_t out_bits) {
-  TORCH_CHECK(v == 2 || v == 4 || v == 8, "sparse_softmax: v must be 2, 4 or 8, got ", v);
-  TORCH_CHECK(out_bits == 0 || out_bits == 16 || out_bits == 8 || out_bits == 4,
+  MAGICUBE_CHECK(v == 2 || v == 4 || v == 8, "sparse_softmax: v must be 2, 4 or 8, got ", v);
+  MAGICUBE_CHECK(out_bits == 0 || out_bits == 16 || out_bits == 8 || out_bits == 4,
               "sparse_softmax: out_bits must be 0, 16, 8 or 4, got ", out_bits);
-  TORCH_CHECK(values.is_cuda(), "sparse_softmax: values must be a CUDA tensor");
+  MAGICUBE_CHECK(values.is_cuda(), "sparse_softmax: values must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(values.device());
   for (const auto* p : {&row_ptr, &col_idx, &row_order}) {
-    TORCH_CHECK(p->device() == values.device(),
+    MAGICUBE_CHECK(p->device() == values.device(),
                 "sparse_softmax: row_ptr, col_idx and row_order must be on values' device");
-    TORCH_CHECK(p->scalar_type() == at::kInt && p->dim() == 1 && p->is_contiguous(),
+    MAGICUBE_CHECK(p->scalar_type() == at::kInt && p->dim() == 1 && p->is_contiguous(),
                 "sparse_softmax: row_ptr, col_idx and row_order must be contiguous 1-D int32 tensors");
   }
-  TORCH_CHECK(values.scalar_type() == at::kHalf && values.dim() == 2 && values.is_contiguous(),
+  MAGICUBE_CHECK(values.scalar_type() == at::kHalf && values.dim() == 2 && values.is_contiguous(),
               "sparse_softmax: values must be a contiguous float16 [BH, nnz_pad * v] tensor");
-  TORCH_CHECK(row_ptr.numel() % 2 == 0, "sparse_softmax: row_ptr must have an even length");
+  MAGICUBE_CHECK(row_ptr.numel() % 2 == 0, "sparse_softmax: row_ptr must have an even length");
   const int64_t num_vrows = row_ptr.numel() / 2;
-  TORCH_CHECK(row_order.numel() == num_vrows, "sparse_softmax: row_order must have ", num_vrows,
+  MAGICUBE_CHECK(row_order.numel() == num_vrows, "sparse_softmax: row_order must have ", num_vrows,
               " entries (row_ptr length / 2), got ", row_order.numel());
   const int64_t nnz_pad = col_idx.numel();
-  TORCH_CHECK(nnz_pad % kStride == 0, "sparse_softmax: col_idx length (", nnz_pad,
+  MAGICUBE_CHECK(nnz_pad % kStride == 0, "sparse_softmax: col_idx length (", nnz_pad,
               ") must be a multiple of the stride ", kStride);
-  TORCH_CHECK(values.size(1) == nnz_pad * v, "sparse_softmax: values must have nnz_pad * v = ",
+  MAGICUBE_CHECK(values.size(1) == nnz_pad * v, "sparse_softmax: values must have nnz_pad * v = ",
               nnz_pad * v, " columns, got ", values.size(1));
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(values.data_ptr()) % 16 == 0,
+  MAGICUBE_CHECK(reinterpret_cast<uintptr_t>(values.data_ptr()) % 16 == 0,
               "sparse_softmax: values must be 16-byte aligned");
   const int64_t bh = values.size(0);
-  TORCH_CHECK(bh <= 65535 && num_vrows < INT32_MAX, "sparse_softmax: values is too large");
+  MAGICUBE_CHECK(bh <= 65535 && num_vrows < INT32_MAX, "sparse_softmax: values is too large");
   const int64_t m = num_vrows * v;
 
   at::Tensor probs;

@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
 
+#include "check.cuh"
 #include "spmm_kernel.cuh"
 
 namespace {
@@ -14,9 +15,9 @@ using magicube::spmm_detail::kThreads;
 using magicube::spmm_detail::kSlots;
 
 void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device) {
-  TORCH_CHECK(t.is_cuda(), "spmm: ", name, " must be a CUDA tensor");
-  TORCH_CHECK(t.device() == device, "spmm: ", name, " must be on b's device");
-  TORCH_CHECK(t.is_contiguous(), "spmm: ", name, " must be contiguous");
+  MAGICUBE_CHECK(t.is_cuda(), "spmm: ", name, " must be a CUDA tensor");
+  MAGICUBE_CHECK(t.device() == device, "spmm: ", name, " must be on b's device");
+  MAGICUBE_CHECK(t.is_contiguous(), "spmm: ", name, " must be contiguous");
 }
 
 // A fresh allocation is 256-byte aligned; a view with an odd storage offset is copied once so
@@ -29,7 +30,7 @@ template <int AB, bool AS, int BB>
 void launch(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, bool fast) {
   const int64_t tiles = (p.row_bytes + magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes - 1) /
                         magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes;
-  TORCH_CHECK(tiles <= 65535 && vrows <= INT32_MAX, "spmm: N or M too large");
+  MAGICUBE_CHECK(tiles <= 65535 && vrows <= INT32_MAX, "spmm: N or M too large");
   const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(tiles), static_cast<unsigned>(bh));
   if (fast) {
     magicube::spmm_detail::spmm_kernel<AB, AS, BB, true><<<grid, kThreads, 0, stream>>>(p);
@@ -55,52 +56,52 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   check_cuda_tensor(col_idx, "col_idx", device);
   check_cuda_tensor(row_order, "row_order", device);
   check_cuda_tensor(a_values, "a_values", device);
-  TORCH_CHECK(v == 2 || v == 4 || v == 8, "spmm: v must be 2, 4 or 8, got ", v);
-  TORCH_CHECK(row_ptr.scalar_type() == at::kInt && col_idx.scalar_type() == at::kInt &&
+  MAGICUBE_CHECK(v == 2 || v == 4 || v == 8, "spmm: v must be 2, 4 or 8, got ", v);
+  MAGICUBE_CHECK(row_ptr.scalar_type() == at::kInt && col_idx.scalar_type() == at::kInt &&
                   row_order.scalar_type() == at::kInt,
               "spmm: row_ptr, col_idx and row_order must be int32");
-  TORCH_CHECK(row_ptr.numel() % 2 == 0, "spmm: row_ptr must hold 2*(M/V) entries, got ", row_ptr.numel());
+  MAGICUBE_CHECK(row_ptr.numel() % 2 == 0, "spmm: row_ptr must hold 2*(M/V) entries, got ", row_ptr.numel());
   const int64_t vrows = row_ptr.numel() / 2;
-  TORCH_CHECK(m == vrows * v, "spmm: m must be (M/V)*V = ", vrows * v, " for this row_ptr, got ", m);
-  TORCH_CHECK(row_order.numel() == vrows, "spmm: row_order must hold M/V = ", vrows, " entries, got ",
+  MAGICUBE_CHECK(m == vrows * v, "spmm: m must be (M/V)*V = ", vrows * v, " for this row_ptr, got ", m);
+  MAGICUBE_CHECK(row_order.numel() == vrows, "spmm: row_order must hold M/V = ", vrows, " entries, got ",
               row_order.numel());
-  TORCH_CHECK(col_idx.numel() % kSlots == 0, "spmm: col_idx length ", col_idx.numel(),
+  MAGICUBE_CHECK(col_idx.numel() % kSlots == 0, "spmm: col_idx length ", col_idx.numel(),
               " is not a multiple of the stride ", kSlots);
-  TORCH_CHECK(b.dim() == 3, "spmm: b must be [BH, K, N], got ", b.dim(), " dims");
+  MAGICUBE_CHECK(b.dim() == 3, "spmm: b must be [BH, K, N], got ", b.dim(), " dims");
   const int64_t bh = b.size(0), k = b.size(1), nnz_pad = col_idx.numel();
 
   const bool fp16 = a_values.scalar_type() == at::kHalf;
   int64_t n;
   if (fp16) {
-    TORCH_CHECK(b.scalar_type() == at::kHalf, "spmm: fp16 a_values need fp16 b, got ",
+    MAGICUBE_CHECK(b.scalar_type() == at::kHalf, "spmm: fp16 a_values need fp16 b, got ",
                 c10::toString(b.scalar_type()));
-    TORCH_CHECK(out_dtype == at::kHalf, "spmm: fp16 inputs give a float16 output, got ",
+    MAGICUBE_CHECK(out_dtype == at::kHalf, "spmm: fp16 inputs give a float16 output, got ",
                 c10::toString(out_dtype));
-    TORCH_CHECK(!scale_a.has_value() && !scale_b.has_value(), "spmm: fp16 inputs take no scale_a/scale_b");
+    MAGICUBE_CHECK(!scale_a.has_value() && !scale_b.has_value(), "spmm: fp16 inputs take no scale_a/scale_b");
     n = b.size(2);
   } else {
     const bool pair_ok = (a_bits == 8 && b_bits == 8) || (a_bits == 4 && b_bits == 4) ||
                          (a_bits == 16 && b_bits == 8) || (a_bits == 16 && b_bits == 16) ||
                          (a_bits == 8 && b_bits == 4) || (a_bits == 16 && b_bits == 4) ||
                          (a_bits == 12 && b_bits == 4);
-    TORCH_CHECK(pair_ok, "spmm: unsupported (a_bits, b_bits) = (", a_bits, ", ", b_bits, ")");
-    TORCH_CHECK(a_signed || a_bits != 12, "spmm: 12-bit a_values are signed only");
+    MAGICUBE_CHECK(pair_ok, "spmm: unsupported (a_bits, b_bits) = (", a_bits, ", ", b_bits, ")");
+    MAGICUBE_CHECK(a_signed || a_bits != 12, "spmm: 12-bit a_values are signed only");
     const at::ScalarType a_type = a_bits >= 12 ? at::kShort : (a_bits == 8 && a_signed ? at::kChar : at::kByte);
-    TORCH_CHECK(a_values.scalar_type() == a_type, "spmm: a_values of ", a_bits, " bits (",
+    MAGICUBE_CHECK(a_values.scalar_type() == a_type, "spmm: a_values of ", a_bits, " bits (",
                 a_signed ? "signed" : "unsigned", ") must be ", c10::toString(a_type), ", got ",
                 c10::toString(a_values.scalar_type()));
     const at::ScalarType b_type = b_bits == 16 ? at::kShort : (b_bits == 8 ? at::kChar : at::kByte);
-    TORCH_CHECK(b.scalar_type() == b_type, "spmm: b of ", b_bits, " bits must be ", c10::toString(b_type),
+    MAGICUBE_CHECK(b.scalar_type() == b_type, "spmm: b of ", b_bits, " bits must be ", c10::toString(b_type),
                 ", got ", c10::toString(b.scalar_type()));
-    TORCH_CHECK(out_dtype == at::kLong || out_dtype == at::kHalf, "spmm: out_dtype must be int64 or float16, got ",
+    MAGICUBE_CHECK(out_dtype == at::kLong || out_dtype == at::kHalf, "spmm: out_dtype must be int64 or float16, got ",
                 c10::toString(out_dtype));
     n = b.size(2) * (b_bits == 4 ? 2 : 1);
     if (out_dtype == at::kHalf) {
-      TORCH_CHECK(scale_a.has_value() && scale_b.has_value(), "spmm: a float16 output needs scale_a and scale_b");
+      MAGICUBE_CHECK(scale_a.has_value() && scale_b.has_value(), "spmm: a float16 output needs scale_a and scale_b");
     }
   }
   const int64_t a_elems = (!fp16 && a_bits == 4) ? nnz_pad * v / 2 : nnz_pad * v;
-  TORCH_CHECK(a_values.dim() == 2 && a_values.size(0) == bh && a_values.size(1) == a_elems,
+  MAGICUBE_CHECK(a_values.dim() == 2 && a_values.size(0) == bh && a_values.size(1) == a_elems,
               "spmm: a_values must be [BH, nnz_pad*V", (!fp16 && a_bits == 4) ? "/2" : "", "] = [", bh, ", ",
               a_elems, "], got a ", a_values.dim(), "-D tensor of ", a_values.numel(), " elements");
   const float* sa = nullptr;
@@ -110,14 +111,14 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
     const at::Tensor& tb = *scale_b;
     check_cuda_tensor(ta, "scale_a", device);
     check_cuda_tensor(tb, "scale_b", device);
-    TORCH_CHECK(ta.scalar_type() == at::kFloat && ta.dim() == 2 && ta.size(0) == bh && ta.size(1) == m,
+    MAGICUBE_CHECK(ta.scalar_type() == at::kFloat && ta.dim() == 2 && ta.size(0) == bh && ta.size(1) == m,
                 "spmm: scale_a must be float32 [BH, M] = [", bh, ", ", m, "]");
-    TORCH_CHECK(tb.scalar_type() == at::kFloat && tb.dim() == 2 && tb.size(0) == bh && tb.size(1) == n,
+    MAGICUBE_CHECK(tb.scalar_type() == at::kFloat && tb.dim() == 2 && tb.size(0) == bh && tb.size(1) == n,
                 "spmm: scale_b must be float32 [BH, N] = [", bh, ", ", n, "]");
     sa = ta.data_ptr<float>();
     sb = tb.data_ptr<float>();
   }
-  TORCH_CHECK(m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX && bh <= 65535,
+  MAGICUBE_CHECK(m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX && bh <= 65535,
               "spmm: sizes out of range (M, N, K < 2^31, BH <= 65535)");
 
   c10::cuda::CUDAGuard guard(device);

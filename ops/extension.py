@@ -130,10 +130,15 @@ def main(argv=None) -> int:
     if reason:
         print(f"magicube: cannot build the kernels: {reason}", file=sys.stderr)
         return 1
+    failed = []
     for family in args.families:
-        load(family)
-        print(f"magicube: {family} kernels built")
-    return 0
+        try:
+            load(family)
+            print(f"magicube: {family} kernels built")
+        except (RuntimeError, FileNotFoundError) as err:
+            print(f"magicube: building the {family} kernels failed:\n{err}", file=sys.stderr)
+            failed.append(family)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
