@@ -38,31 +38,10 @@ def _time(fn, reps, graph=True):
     """Median time (ms) of one fn() call.
 
     A single kernel here takes a few microseconds, less than the host needs to launch it from
-    Python, so per-call events would time the launch path. The calls are therefore replayed
-    back to back from a CUDA graph of INNER calls (or, where a library cannot be captured,
-    issued back to back), and each replay is timed with events.
+    Python, so per-call events would time the launch path: INNER back-to-back calls are
+    replayed from a CUDA graph (or, where a library cannot be captured, issued back to back).
     """
-    inner = INNER if graph else max(2, INNER // 4)
-    def run():
-        for _ in range(inner):
-            fn()
-
-    if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(g):
-                run()
-            run = g.replay
-        except RuntimeError as e:  # a library that cannot be captured: time it uncaptured
-            torch.cuda.synchronize()
-            print(f"  (not capturable, timed uncaptured: {str(e).splitlines()[0][:80]})", flush=True)
-    return cuda_time(run, warmup=3, reps=reps)["median_ms"] / inner
+    return cuda_time(fn, warmup=3, reps=reps, calls=INNER if graph else max(2, INNER // 4), graph=graph)["median_ms"]
 
 
 def run(cfg, reps: int, log=print, checkpoint=None):
