@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--out", help="folder for the TSVs (default: the config's data.path)")
     dl.add_argument("overrides", **overrides)
     di = dsub.add_parser("imdb", help="read the IMDB archive or folder once and report what is there")
-    di.add_argument("--path", help="aclImdb_v1.tar.gz or the aclImdb folder (default: $MAGICUBE_IMDB, ../shared/data)")
+    di.add_argument("--path", help="aclImdb_v1.tar.gz or the aclImdb folder (default: $MAGICUBE_IMDB, then ./data)")
     d.set_defaults(func=_cmd_data)
 
     t = sub.add_parser("train", help="train from a YAML config (resumes from the last checkpoint)")

@@ -1,12 +1,10 @@
 """Shared fixtures and strategies: random SR-BCRS problems of awkward shapes."""
 
-import pytest
+import os
+
 import torch
 
 from magicube.ops import SRBCRS, VectorMask, random_vector_mask, to_container
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 
 def awkward_mask(m: int, k: int, v: int, sparsity: float, seed: int) -> VectorMask:
     """A random vector mask with an empty vector row and one full ("huge") row when possible."""
@@ -30,4 +28,20 @@ def problem(bh, rows, k, v, sparsity, seed, shuffle=False):
     return SRBCRS.from_mask(mask, stride=32, shuffle=shuffle), mask.to_dense()
 
 
-__all__ = ["SRBCRS", "awkward_mask", "random_ints", "to_container", "problem", "cuda"]
+def imdb_source():
+    """The IMDB archive for the data tests: $MAGICUBE_IMDB, ./data, or the copy beside the checkout."""
+    from pathlib import Path
+
+    from magicube.train import imdb
+
+    repo = Path(__file__).resolve().parents[1]
+    for c in (os.environ.get("MAGICUBE_IMDB"), repo / "data", repo.parent / "shared" / "data"):
+        if c:
+            try:
+                return imdb.find_imdb(c)
+            except FileNotFoundError:
+                pass
+    return None
+
+
+__all__ = ["imdb_source", "SRBCRS", "awkward_mask", "random_ints", "to_container", "problem"]

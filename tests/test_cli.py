@@ -1,14 +1,13 @@
 """The `magicube` command line."""
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from conftest import imdb_source
 from magicube.eval.cli import main
-from magicube.train import imdb, listops
+from magicube.train import listops
 
 SMALL = ["data.generate.num_train=128", "data.generate.num_val=16", "data.generate.num_test=24",
          "data.generate.max_length=60", "model.max_len=64", "model.emb_dim=32", "model.mlp_dim=64",
@@ -52,10 +51,8 @@ def test_train_resumes_and_data_listops(tmp_path, capsys):
 
 
 def test_data_imdb_reports_the_archive(capsys):
-    where = os.environ.get("MAGICUBE_IMDB") or Path(__file__).resolve().parents[2] / "shared" / "data"
-    try:
-        src = imdb.find_imdb(where)
-    except FileNotFoundError:
+    src = imdb_source()
+    if src is None:
         pytest.skip("aclImdb_v1.tar.gz not found (set MAGICUBE_IMDB)")
     assert main(["data", "imdb", "--path", str(src)]) == 0
     out = capsys.readouterr().out

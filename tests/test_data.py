@@ -1,26 +1,16 @@
 """Data pipelines: byte-level IMDB from the real archive, ListOps generation, TSVs and tokens."""
-import os
 import tarfile
 from pathlib import Path
 
 import pytest
 
+from conftest import imdb_source
 from magicube.train import data, imdb, listops
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _imdb_source():
-    for c in (os.environ.get("MAGICUBE_IMDB"), REPO.parent / "shared" / "data"):
-        if c:
-            try:
-                return imdb.find_imdb(c)
-            except FileNotFoundError:
-                pass
-    return None
-
-
-IMDB = _imdb_source()
+IMDB = imdb_source()
 needs_imdb = pytest.mark.skipif(IMDB is None, reason="aclImdb_v1.tar.gz not found (set MAGICUBE_IMDB)")
 
 

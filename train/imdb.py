@@ -19,8 +19,8 @@ _MEMBER = re.compile(r"(?:^|/)aclImdb/(train|test)/(pos|neg)/(\d+)_(\d+)\.txt$")
 
 
 def find_imdb(path: str | os.PathLike | None = None) -> Path:
-    """Resolve the IMDB source: an explicit path, else $MAGICUBE_IMDB, else ../shared/data."""
-    candidates = [path] if path else [os.environ.get("MAGICUBE_IMDB"), Path("..") / "shared" / "data"]
+    """Resolve the IMDB source: an explicit path, else $MAGICUBE_IMDB, else ./data."""
+    candidates = [path] if path else [os.environ.get("MAGICUBE_IMDB"), Path("data")]
     for c in candidates:
         if not c:
             continue
@@ -30,7 +30,7 @@ def find_imdb(path: str | os.PathLike | None = None) -> Path:
                 return q
             if q.is_dir() and q.name == "aclImdb" and (q / "train").is_dir():
                 return q
-    where = path or "$MAGICUBE_IMDB or ../shared/data"
+    where = path or "$MAGICUBE_IMDB or ./data"
     raise FileNotFoundError(f"IMDB reviews not found at {where}; {HOW_TO_GET}")
 
 
