@@ -1,4 +1,4 @@
-"""The `magicube` command: data, train, evaluate, demo (finetune and bench are not built yet)."""
+"""The `magicube` command: data, train, evaluate, bench, build, demo (finetune is not built yet)."""
 from __future__ import annotations
 
 import argparse
@@ -95,7 +95,20 @@ def _not_built(what: str, extra: str = ""):
     return run
 
 
-NOT_BUILT = ("finetune", "bench")  # their arguments are not defined yet, so any are accepted
+def _cmd_bench(args) -> int:
+    from magicube.eval import bench_model
+
+    return bench_model.main(args.rest)
+
+
+def _cmd_build(args) -> int:
+    from magicube.ops import extension
+
+    return extension.main(args.rest)
+
+
+NOT_BUILT = ("finetune",)  # its arguments are not defined yet, so any are accepted
+PASS_THROUGH = ("bench", "build")  # their own parsers take the remaining arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,10 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-progress", action="store_true")
     e.set_defaults(func=_cmd_evaluate)
 
-    b = sub.add_parser("bench", help="end-to-end latency benchmark (not built yet)")
-    b.set_defaults(func=_not_built("bench", " Kernel benchmarks: python -m magicube.eval.bench_spmm, "
-                                            "python -m magicube.eval.bench_sddmm and python -m "
-                                            "magicube.eval.bench_attention."))
+    b = sub.add_parser("bench", add_help=False,
+                       help="end-to-end latency of the model and one attention layer per backend "
+                            "(magicube bench --help; kernel benchmarks: python -m magicube.eval.bench_spmm, "
+                            "bench_sddmm, bench_attention)")
+    b.set_defaults(func=_cmd_bench)
+    k = sub.add_parser("build", add_help=False, help="compile the CUDA kernels ahead of time (magicube build --help)")
+    k.set_defaults(func=_cmd_build)
 
     m = sub.add_parser("demo", help="generate a small ListOps set, train the tiny config, evaluate every backend")
     m.add_argument("--config", default="tiny")
@@ -154,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command not in NOT_BUILT:
+    args.rest = extra
+    if extra and args.command not in NOT_BUILT + PASS_THROUGH:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)

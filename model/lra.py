@@ -5,6 +5,8 @@
 One block: x + Attn(LN(x)), then x + MLP(LN(x)) with GELU. Attention backends (config.attention):
 
     dense    softmax(QK^T / sqrt(d)) V through scaled_dot_product_attention, no mask
+    materialized  the same computed as softmax(QK^T / sqrt(d)) V with the scores in memory (the
+             paper's dense baseline)
     sparse   the same restricted to the layer's V x 1 vector mask, in fp16:
              magicube.ops.sddmm -> sparse_softmax -> spmm
     16b-8b   Q, K, V in 8 bits (absmax per batch x head), probabilities in unsigned 16 bits
@@ -32,7 +34,7 @@ from magicube.model.masks import KINDS, layer_mask
 
 # backend -> (softmax output bits, Q/K/V bits)
 QUANTIZED = {"16b-8b": (16, 8), "8b-8b": (8, 8), "8b-4b": (8, 4)}
-BACKENDS = ("dense", "sparse", *QUANTIZED)
+BACKENDS = ("dense", "materialized", "sparse", *QUANTIZED)
 SPARSE_IMPLS = ("auto", "ops", "masked")
 POOLS = ("cls", "mean")
 
@@ -110,6 +112,10 @@ class Attention(nn.Module):
         needs_grad = torch.is_grad_enabled() and x.requires_grad
         if backend == "dense":
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p_drop)
+        elif backend == "materialized":
+            # The paper's dense baseline: the L x L scores and probabilities go through memory.
+            probs = F.dropout(torch.softmax((q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5, dim=-1), p_drop)
+            y = probs @ v
         elif backend == "sparse" and (impl == "masked" or (impl == "auto" and needs_grad)):
             y = self.masked(q, k, v, p_drop)
         elif needs_grad:

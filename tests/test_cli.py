@@ -62,9 +62,20 @@ def test_data_imdb_reports_the_archive(capsys):
 def test_unbuilt_commands_say_so(capsys):
     assert main(["finetune"]) != 0
     assert "not built yet" in capsys.readouterr().err
-    assert main(["bench", "--anything"]) != 0
-    err = capsys.readouterr().err
-    assert "not built yet" in err and "magicube.eval.bench_spmm" in err
+
+
+def test_bench_checks_every_backend_and_says_cpu_timings_are_cpu_timings(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--anything"])
+    assert main(["bench", "--backends", "materialized", "sparse", "8b-8b", "--reps", "3", "--out", str(tmp_path)]) == 0
+    assert "these are CPU timings" in capsys.readouterr().err
+    result = json.loads((tmp_path / "bench_model.json").read_text())
+    rows = {r["backend"]: r for r in result["rows"]}
+    assert set(rows) == {"materialized", "sparse", "8b-8b"} and (tmp_path / "bench_model.png").exists()
+    # each backend's output was compared with an fp32 reference of the same masked model
+    assert rows["materialized"]["model_rel_err"] < 1e-5 and rows["sparse"]["model_rel_err"] < 1e-2
+    assert 0 < rows["8b-8b"]["layer_rel_err"] < 0.05
+    assert result["environment"]["device"].startswith("CPU")
 
 
 def test_errors_are_reported_not_raised(tmp_path, capsys):

@@ -152,3 +152,14 @@ def test_input_checks():
         model(torch.zeros(1, 64, dtype=torch.long))
     mean = LRAClassifier(small_config(pool="mean"))
     assert mean.config.input_len == 64 and mean(torch.ones(2, 64, dtype=torch.long)).logits.shape == (2, 10)
+
+
+def test_materialized_attention_matches_sdpa():
+    torch.manual_seed(0)
+    model = LRAClassifier(LRAConfig(max_len=32, emb_dim=16, num_heads=2, num_layers=1, mlp_dim=32, num_classes=3,
+                                    attention="dense", dropout=0.0, attention_dropout=0.0)).eval()
+    ids = torch.randint(1, 257, (2, 31))
+    with torch.no_grad():
+        dense = model(ids).logits
+        model.set_attention("materialized")
+        assert torch.allclose(model(ids).logits, dense, atol=1e-5)

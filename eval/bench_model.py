@@ -1,0 +1,140 @@
+"""End-to-end inference latency of the LRA model and of one attention layer, per backend.
+
+Every backend's output is first compared with an fp32 reference of the same masked model
+(dense attention for the dense backends, masked dense attention for the sparse ones), and
+the error is printed beside its time: a fast wrong answer never enters the table.
+
+    python -m magicube.eval.bench_model               # the full sweep on a GPU
+    python -m magicube.eval.bench_model --quick       # B=8, L=4096, H=4, sparsity 0.9 only
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+from magicube.eval.timing import cpu_time, cuda_time, environment, save_json
+from magicube.model.lra import LRAClassifier, LRAConfig
+
+BACKENDS = ("materialized", "dense", "sparse", "16b-8b", "8b-8b", "8b-4b")
+DENSE = ("materialized", "dense")
+
+
+def build(backend: str, length: int, heads: int, sparsity: float, v: int, device, dtype) -> LRAClassifier:
+    """The paper's LRA model (4 layers, head dim 64, MLP 1024) with one backend, in eval mode."""
+    config = LRAConfig(max_len=length, emb_dim=64 * heads, num_heads=heads, num_layers=4, mlp_dim=1024,
+                       attention=backend, sparsity=sparsity, v=v, dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)  # same weights and masks for every backend
+    return LRAClassifier(config).to(device=device, dtype=dtype).eval()
+
+
+def reference_for(model: LRAClassifier) -> LRAClassifier:
+    """fp32 copy computing the same function: dense stays dense, sparse becomes masked dense."""
+    ref = LRAClassifier(LRAConfig(**{**model.config.to_dict(), "attention": "dense" if model.config.attention in DENSE
+                                     else "sparse", "sparse_impl": "masked"}))
+    ref.load_state_dict({k: t.float() for k, t in model.state_dict().items()})
+    return ref.to(next(model.parameters()).device).eval()
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def measure(fn, on_gpu: bool, reps: int, cuda_graph: bool) -> dict:
+    if not on_gpu:
+        return cpu_time(fn, warmup=1, reps=max(3, reps // 20))
+    torch.cuda.reset_peak_memory_stats()
+    timing = cuda_time(fn, warmup=10, reps=reps, graph=cuda_graph)
+    timing["peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return timing
+
+
+@torch.inference_mode()
+def run_case(backend, batch, length, heads, sparsity, v, args, device, dtype) -> dict:
+    model = build(backend, length, heads, sparsity, v, device, dtype)
+    ref = reference_for(model)
+    ids = torch.randint(1, 257, (batch, model.config.input_len), device=device)
+    x = torch.randn(batch, length, model.config.emb_dim, device=device)
+    layer, ref_layer = model.blocks[0].attn, ref.blocks[0].attn
+    row = dict(backend=backend, batch=batch, length=length, heads=heads, sparsity=sparsity, v=v)
+    row["model_rel_err"] = relative_error(model(ids).logits, ref(ids).logits)
+    row["layer_rel_err"] = relative_error(layer(x.to(dtype)), ref_layer(x))
+    on_gpu = device.type == "cuda"
+    row["model"] = measure(lambda: model(ids), on_gpu, args.reps, args.cuda_graph)
+    row["layer"] = measure(lambda: layer(x.to(dtype)), on_gpu, args.reps, args.cuda_graph)
+    return row
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Speedup over materialized fp16 attention per case, in the manner of the paper's Figure 16."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({(r["batch"], r["length"], r["heads"], r["sparsity"]) for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(cases)), 4), sharey=False)
+    for ax, part in zip(axes, ("model", "layer")):
+        width = 0.8 / len(BACKENDS)
+        for i, backend in enumerate(BACKENDS):
+            speedups = []
+            for case in cases:
+                get = {r["backend"]: r[part]["median_ms"] for r in rows if (r["batch"], r["length"], r["heads"],
+                                                                           r["sparsity"]) == case}
+                speedups.append(get.get("materialized", float("nan")) / get.get(backend, float("nan")))
+            ax.bar([j + i * width for j in range(len(cases))], speedups, width, label=backend)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+        ax.set_xticklabels([f"B{b} L{l}\nH{h} s{s}" for b, l, h, s in cases], fontsize=7)
+        ax.axhline(1.0, color="k", lw=0.5)
+        ax.set_title(f"{part}: speedup over materialized fp16")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m magicube.eval.bench_model", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    parser.add_argument("--batch", nargs="+", type=int, default=[2, 8])
+    parser.add_argument("--length", nargs="+", type=int, default=[4096, 8192])
+    parser.add_argument("--heads", nargs="+", type=int, default=[4, 8], help="embedding = 64 x heads")
+    parser.add_argument("--sparsity", nargs="+", type=float, default=[0.9, 0.95])
+    parser.add_argument("--v", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--cuda-graph", action="store_true", help="time replays of a captured CUDA graph")
+    parser.add_argument("--quick", action="store_true", help="only B=8, L=4096, H=4, sparsity 0.9")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench"))
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    if args.quick:
+        args.batch, args.length, args.heads, args.sparsity = [8], [4096], [4], [0.9]
+    if device.type == "cpu":
+        print("magicube: no CUDA device: timing the reference backends on a small size; these are CPU timings",
+              file=sys.stderr)
+        args.batch, args.length, args.heads, args.sparsity = [2], [256], [2], [0.9]
+    rows = []
+    print(f"{'backend':>12} {'B':>2} {'L':>5} {'H':>2} {'sp':>4} | {'model ms':>9} {'err':>8} | "
+          f"{'layer ms':>9} {'err':>8} | {'peak MB':>8}")
+    for batch, length, heads, sparsity in itertools.product(args.batch, args.length, args.heads, args.sparsity):
+        for backend in args.backends:
+            row = run_case(backend, batch, length, heads, sparsity, args.v, args, device, dtype)
+            rows.append(row)
+            print(f"{backend:>12} {batch:>2} {length:>5} {heads:>2} {sparsity:>4} | {row['model']['median_ms']:9.3f} "
+                  f"{row['model_rel_err']:8.1e} | {row['layer']['median_ms']:9.3f} {row['layer_rel_err']:8.1e} | "
+                  f"{row['model'].get('peak_mem_mb', float('nan')):8.0f}", flush=True)
+    payload = dict(environment=environment(), cuda_graph=args.cuda_graph, dtype=str(dtype), rows=rows)
+    path = save_json(args.out / "bench_model.json", payload)
+    plot(rows, args.out / "bench_model.png")
+    print(f"wrote {path} and {args.out / 'bench_model.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
