@@ -95,6 +95,9 @@ def summarize(times_ms: list[float]) -> dict:
 
 
 def git_commit() -> str:
+    """The checkout's commit (-dirty with local changes), or $MAGICUBE_COMMIT where the copy has no git data."""
+    if os.environ.get("MAGICUBE_COMMIT"):
+        return os.environ["MAGICUBE_COMMIT"]
     try:
         root = Path(__file__).resolve().parent.parent
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
