@@ -22,6 +22,10 @@ from magicube.model.lra import LRAClassifier, LRAConfig
 
 BACKENDS = ("materialized", "dense", "sparse", "16b-8b", "8b-8b", "8b-4b")
 DENSE = ("materialized", "dense")
+# Largest relative error of one attention layer against its fp32 reference that a backend may
+# show and still be timed: fp16 rounding, and the quantization error of its precision (4-bit
+# Q/K/V with per-head absmax scales loses most).
+TOLERANCE = {"materialized": 1e-2, "dense": 1e-2, "sparse": 1e-2, "16b-8b": 5e-2, "8b-8b": 5e-2, "8b-4b": 0.35}
 
 
 def build(backend: str, length: int, heads: int, sparsity: float, v: int, device, dtype) -> LRAClassifier:
@@ -63,6 +67,9 @@ def run_case(backend, batch, length, heads, sparsity, v, args, device, dtype) ->
     row = dict(backend=backend, batch=batch, length=length, heads=heads, sparsity=sparsity, v=v)
     row["model_rel_err"] = relative_error(model(ids).logits, ref(ids).logits)
     row["layer_rel_err"] = relative_error(layer(x.to(dtype)), ref_layer(x))
+    if not row["layer_rel_err"] <= TOLERANCE[backend]:  # NaN fails too
+        row["rejected"] = f"layer error {row['layer_rel_err']:.2e} over the tolerance {TOLERANCE[backend]:.0e}"
+        return row
     on_gpu = device.type == "cuda"
     row["model"] = measure(lambda: model(ids), on_gpu, args.reps, args.cuda_graph)
     row["layer"] = measure(lambda: layer(x.to(dtype)), on_gpu, args.reps, args.cuda_graph)
@@ -76,6 +83,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if "rejected" not in r]
     cases = sorted({(r["batch"], r["length"], r["heads"], r["sparsity"]) for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(cases)), 4), sharey=False)
     for ax, part in zip(axes, ("model", "layer")):
@@ -126,6 +134,9 @@ def main(argv=None) -> int:
         for backend in args.backends:
             row = run_case(backend, batch, length, heads, sparsity, args.v, args, device, dtype)
             rows.append(row)
+            if "rejected" in row:
+                print(f"{backend:>12} {batch:>2} {length:>5} {heads:>2} {sparsity:>4} | not timed: {row['rejected']}")
+                continue
             print(f"{backend:>12} {batch:>2} {length:>5} {heads:>2} {sparsity:>4} | {row['model']['median_ms']:9.3f} "
                   f"{row['model_rel_err']:8.1e} | {row['layer']['median_ms']:9.3f} {row['layer_rel_err']:8.1e} | "
                   f"{row['model'].get('peak_mem_mb', float('nan')):8.0f}", flush=True)

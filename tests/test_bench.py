@@ -1,0 +1,17 @@
+"""The end-to-end benchmark refuses to time a backend whose answer is off."""
+
+import argparse
+
+import torch
+
+from magicube.eval import bench_model
+
+
+def test_a_backend_over_its_error_tolerance_is_not_timed(monkeypatch):
+    args = argparse.Namespace(reps=3, cuda_graph=False)
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(bench_model.TOLERANCE, "8b-8b", 1e-6)  # 8-bit quantization error is far above this
+    row = bench_model.run_case("8b-8b", 1, 64, 1, 0.5, 8, args, cpu, torch.float32)
+    assert "over the tolerance" in row["rejected"] and "model" not in row
+    row = bench_model.run_case("sparse", 1, 64, 1, 0.5, 8, args, cpu, torch.float32)
+    assert "rejected" not in row and row["layer_rel_err"] < 1e-5 and row["model"]["median_ms"] > 0
