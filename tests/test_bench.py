@@ -14,4 +14,4 @@ def test_a_backend_over_its_error_tolerance_is_not_timed(monkeypatch):
     row = bench_model.run_case("8b-8b", 1, 64, 1, 0.5, 8, args, cpu, torch.float32)
     assert "over the tolerance" in row["rejected"] and "model" not in row
     row = bench_model.run_case("sparse", 1, 64, 1, 0.5, 8, args, cpu, torch.float32)
-    assert "rejected" not in row and row["layer_rel_err"] < 1e-5 and row["model"]["median_ms"] > 0
+    assert "rejected" not in row and row["layer_rel_err"] < 1e-2 and row["model"]["median_ms"] > 0
