@@ -1,8 +1,10 @@
 """Pure-PyTorch reference of every op: the CPU implementation and the test oracle.
 
-Integer products are exact in int64; dequantization is the one definition every kernel
-follows: out = fp16(fp32(acc) * (scale_a[row] * scale_b[col])). The arguments are those of
-the op schemas in `library.py` and arrive validated.
+Integer products are exact: they run as float64 matrix products, whose every product and
+partial sum of at most 16-bit x 16-bit integers stays an integer below 2^53 for reductions
+shorter than 2^21 (checked), and come back as int64. Dequantization is the one definition
+every kernel follows: out = fp16(fp32(acc) * (scale_a[row] * scale_b[col])). The arguments
+are those of the op schemas in `library.py` and arrive validated.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from .format import value_coordinates
 from .quant import from_container, to_container
 
 OP_STRIDE = 32
+EXACT_REDUCTION = 1 << 21  # 2^21 * 2^31 (u16 x s16) < 2^53
+CHUNK_ELEMENTS = 1 << 25  # dense float64 scratch per chunk of (batch x heads): 256 MB
 
 
 def _dequantize(acc: torch.Tensor, scale: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
@@ -24,33 +28,59 @@ def _dequantize(acc: torch.Tensor, scale: torch.Tensor | None, out_dtype: torch.
 
 
 def _decode(x: torch.Tensor, bits: int, signed: bool = True) -> torch.Tensor:
-    """Values of a container as int64, or fp16 data as fp32."""
+    """Values of a container as exact float64 integers, or fp16 data as fp32."""
     if x.dtype == torch.float16:
         return x.float()
-    return from_container(x, bits, signed)
+    return from_container(x, bits, signed).double()
+
+
+def _integers(acc: torch.Tensor, quantized: bool) -> torch.Tensor:
+    return acc.round().to(torch.int64) if quantized else acc
+
+
+def _chunks(bh: int, per_item: int):
+    step = max(1, CHUNK_ELEMENTS // max(per_item, 1))
+    return [slice(i, min(i + step, bh)) for i in range(0, bh, step)]
+
+
+def _check_exact(reduction: int, quantized: bool) -> None:
+    if quantized and reduction >= EXACT_REDUCTION:
+        raise ValueError(f"the CPU reference sums at most {EXACT_REDUCTION - 1} exact integer products, "
+                         f"got a reduction of {reduction}")
 
 
 def spmm(row_ptr, col_idx, row_order, a_values, b, scale_a, scale_b, v, m, a_bits, a_signed,
          b_bits, out_dtype):
     del row_order  # the result does not depend on the processing order
+    quantized = a_values.dtype != torch.float16
     a = _decode(a_values, a_bits, a_signed)  # [BH, nnz_pad*V]
     bm = _decode(b, b_bits)  # [BH, K, N]
+    bh, k = bm.shape[0], bm.shape[1]
+    _check_exact(k, quantized)
     row, col = value_coordinates(row_ptr, col_idx, v, OP_STRIDE)
     keep = col >= 0
     row, col, a = row[keep], col[keep], a[:, keep]
-    acc = bm.new_zeros(bm.shape[0], m, bm.shape[2])
-    acc.index_add_(1, row, a.unsqueeze(-1) * bm[:, col, :])
+    acc = []
+    for part in _chunks(bh, m * k):
+        dense = bm.new_zeros(a[part].shape[0], m, k)
+        dense[:, row, col] = a[part]
+        acc.append(dense @ bm[part])
+    acc = _integers(torch.cat(acc) if acc else bm.new_zeros(0, m, bm.shape[2]), quantized)
     scale = None if scale_a is None else scale_a.unsqueeze(-1) * scale_b.unsqueeze(-2)
     return _dequantize(acc, scale, out_dtype)
 
 
 def sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, out_dtype):
     del row_order
+    quantized = a.dtype != torch.float16
     am, bm = _decode(a, bits), _decode(b, bits)  # [BH, M, K], [BH, N, K]
+    _check_exact(am.shape[2], quantized)
     row, col = value_coordinates(row_ptr, col_idx, v, OP_STRIDE)
     pad = col < 0
     col = col.clamp(min=0)
-    acc = (am[:, row, :] * bm[:, col, :]).sum(-1).masked_fill(pad, 0)
+    acc = [(am[part] @ bm[part].transpose(1, 2))[:, row, col] for part in _chunks(am.shape[0], am.shape[1] * bm.shape[1])]
+    acc = torch.cat(acc) if acc else am.new_zeros(0, row.numel())
+    acc = _integers(acc, quantized).masked_fill(pad, 0)
     scale = None if scale_a is None else scale_a[:, row] * scale_b[:, col]
     return _dequantize(acc, scale, out_dtype)
 
