@@ -1,4 +1,4 @@
-"""The `magicube` command: data, train, evaluate, bench, build, demo (finetune is not built yet)."""
+"""The `magicube` command: data, train, finetune, evaluate, bench, build, demo."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,9 @@ import shutil
 import sys
 import time
 from pathlib import Path
+
+# the integer backends of magicube.model.QUANTIZED, named here so that `magicube --help` needs no torch
+QUANTIZED = ("16b-8b", "8b-8b", "8b-4b")
 
 
 def _cmd_data(args) -> int:
@@ -49,6 +52,18 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_finetune(args) -> int:
+    from magicube.train.finetune import finetune
+
+    summary = finetune(args.source, precision=args.precision, config=args.config, overrides=args.overrides,
+                       resume=not args.no_resume, progress=not args.no_progress)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"finetuned {summary['from']} for {summary['precision']} to step {summary['step']} in "
+              f"{summary['seconds']} s; eval accuracy {summary['eval_accuracy']} (fake-quantized); "
+              f"checkpoint {summary['checkpoint']}\nevaluate it: magicube evaluate {summary['out_dir']}")
+    return 0
+
+
 def _cmd_evaluate(args) -> int:
     from magicube.eval.evaluate import evaluate, to_markdown, write_report
 
@@ -67,15 +82,18 @@ def _cmd_demo(args) -> int:
     from magicube.eval.evaluate import evaluate, to_markdown, write_report
     from magicube.ops import extension
     from magicube.train.config import load_config
+    from magicube.train.finetune import finetune
     from magicube.train.trainer import train
 
     cfg = load_config(args.config, [f"out_dir={args.out_dir}", *args.overrides])
     run_dir = Path(cfg["out_dir"])
+    precision = args.precision
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     kernels = "the CUDA kernels" if extension.available() else "the reference ops (no GPU)"
     print(f"magicube demo: {cfg['data']['task']} / {cfg['name']} on {device}; sparse attention runs {kernels}")
     if not args.resume:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        shutil.rmtree(run_dir / f"finetune_{precision}" / "checkpoints", ignore_errors=True)
     t0 = time.time()
     summary = train(cfg, resume=args.resume, progress=not args.no_progress)
     t_train = time.time() - t0
@@ -83,16 +101,22 @@ def _cmd_demo(args) -> int:
     md, js = write_report(report, run_dir / f"eval_{report['split']}")
     print()
     print(to_markdown(report))
-    print(f"training {t_train:.0f} s ({summary['step']} steps), evaluation {time.time() - t0 - t_train:.0f} s; "
-          f"results in {md} and {js}")
+    t1 = time.time()
+    # the source run's config carries the other overrides (sizes, paths) into the finetuning run
+    tuned = finetune(run_dir, precision=precision, overrides=[o for o in args.overrides if o.startswith("finetune.")],
+                     resume=args.resume, progress=not args.no_progress)
+    t_tune = time.time() - t1
+    tuned_report = evaluate(tuned["out_dir"], progress=not args.no_progress)
+    tmd, tjs = write_report(tuned_report, Path(tuned["out_dir"]) / f"eval_{tuned_report['split']}")
+    print(to_markdown(tuned_report))
+    before = {r["backend"]: r["accuracy"] for r in report["results"]}.get(precision)
+    after = {r["backend"]: r["accuracy"] for r in tuned_report["results"]}[precision]
+    change = f"{100 * before:.2f} % before finetuning, " if before is not None else ""
+    print(f"{precision} through the integer ops: {change}{100 * after:.2f} % after {tuned['step']} finetuning steps")
+    print(f"training {t_train:.0f} s ({summary['step']} steps), evaluation {t1 - t0 - t_train:.0f} s, "
+          f"finetuning {t_tune:.0f} s, evaluation {time.time() - t1 - t_tune:.0f} s; results in {md}, {js}, "
+          f"{tmd} and {tjs}")
     return 0
-
-
-def _not_built(what: str, extra: str = ""):
-    def run(args) -> int:
-        print(f"magicube {what}: not built yet.{extra}", file=sys.stderr)
-        return 2
-    return run
 
 
 def _cmd_bench(args) -> int:
@@ -107,7 +131,6 @@ def _cmd_build(args) -> int:
     return extension.main(args.rest)
 
 
-NOT_BUILT = ("finetune",)  # its arguments are not defined yet, so any are accepted
 PASS_THROUGH = ("bench", "build")  # their own parsers take the remaining arguments
 
 
@@ -135,12 +158,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", **overrides)
     t.set_defaults(func=_cmd_train)
 
-    f = sub.add_parser("finetune", help="quantization-aware finetuning (not built yet)")
-    f.set_defaults(func=_not_built("finetune"))
+    f = sub.add_parser("finetune", help="quantization-aware finetuning of a trained checkpoint for one integer "
+                       "backend (calibrated scales, fake quantization; resumes)")
+    f.add_argument("--from", dest="source", required=True, metavar="RUN_OR_CKPT",
+                   help="a trained run folder (its latest checkpoint) or a checkpoint folder")
+    f.add_argument("--precision", choices=list(QUANTIZED), help="default: the config's finetune.precision")
+    f.add_argument("--config", help="take the finetune section from this config (default: the source run's, "
+                   "else the built-in config of its name)")
+    f.add_argument("--no-resume", action="store_true", help="start over even if finetuning checkpoints exist")
+    f.add_argument("--no-progress", action="store_true")
+    f.add_argument("overrides", **{**overrides, "help": "overrides of the finetuning run's config, e.g. "
+                   "train.steps=50 finetune.scales=fixed finetune.granularity=tensor"})
+    f.set_defaults(func=_cmd_finetune)
 
     e = sub.add_parser("evaluate", help="test accuracy of a checkpoint under each attention backend")
     e.add_argument("checkpoint", help="a checkpoint folder or a run folder (its latest checkpoint)")
-    e.add_argument("--backends", nargs="+", help="dense sparse-masked sparse 16b-8b 8b-8b 8b-4b (default: the config's)")
+    e.add_argument("--backends", nargs="+", help="dense sparse-masked sparse 16b-8b 8b-8b 8b-4b, or 16b-8b-fake "
+                   "8b-8b-fake 8b-4b-fake (the fake-quantized finetuning path) (default: the config's)")
     e.add_argument("--split", help="default: the config's eval.split (test)")
     e.add_argument("--batch-size", type=int)
     e.add_argument("--max-batches", type=int, help="evaluate only the first N batches")
@@ -157,9 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("build", add_help=False, help="compile the CUDA kernels ahead of time (magicube build --help)")
     k.set_defaults(func=_cmd_build)
 
-    m = sub.add_parser("demo", help="generate a small ListOps set, train the tiny config, evaluate every backend")
+    m = sub.add_parser("demo", help="generate a small ListOps set, train the tiny config, evaluate every backend, "
+                       "quantization-finetune one precision and evaluate it")
     m.add_argument("--config", default="tiny")
     m.add_argument("--out-dir", default="runs/demo")
+    m.add_argument("--precision", choices=list(QUANTIZED), default="8b-8b", help="the backend to finetune for")
     m.add_argument("--resume", action="store_true", help="continue a previous demo run instead of starting over")
     m.add_argument("--no-progress", action="store_true")
     m.add_argument("overrides", **overrides)
@@ -171,7 +207,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     args.rest = extra
-    if extra and args.command not in NOT_BUILT + PASS_THROUGH:
+    if extra and args.command not in PASS_THROUGH:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)

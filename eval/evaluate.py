@@ -6,8 +6,13 @@ The backends share the checkpoint's weights and masks:
     sparse-masked  the training function: masked dense attention in fp32
     sparse         fp16 sparse attention through magicube.ops (SDDMM -> softmax -> SpMM)
     16b-8b, 8b-8b, 8b-4b   quantized sparse attention through the integer ops
+    16b-8b-fake, ...       their fake-quantized twin (the finetuning path), masked dense in fp32
 
 The ops run the CUDA kernels when the model is on a GPU and the reference elsewhere.
+
+A quantization-finetuned checkpoint (config quant_precision) is only evaluated under the
+integer backend it was finetuned for (its weights and Q/K/V scales are for those bits) and
+under the float backends; its calibrated scales replace the per-batch absmax of the ops.
 """
 from __future__ import annotations
 
@@ -24,25 +29,26 @@ from transformers.utils import logging as hf_logging
 from magicube.model.lra import QUANTIZED, LRAClassifier
 from magicube.train import data as data_mod
 from magicube.train.config import load_config
-from magicube.train.trainer import accuracy, latest_checkpoint
+from magicube.train.trainer import accuracy, resolve_checkpoint
 
 BACKENDS = {"dense": ("dense", "auto"), "sparse-masked": ("sparse", "masked"), "sparse": ("sparse", "ops"),
-            **{name: (name, "ops") for name in QUANTIZED}}
+            **{name: (name, "ops") for name in QUANTIZED}, **{f"{name}-fake": (name, "masked") for name in QUANTIZED}}
+_BITS = {"16b-8b": "P u16 / QKV s8", "8b-8b": "P u8 / QKV s8", "8b-4b": "P u8 / QKV s4"}
 DESCRIPTION = {"dense": "dense softmax(QK^T)V, no mask", "sparse-masked": "masked dense, fp32 (training path)",
-               "sparse": "sparse ops, fp16", "16b-8b": "sparse ops, P u16 / QKV s8",
-               "8b-8b": "sparse ops, P u8 / QKV s8", "8b-4b": "sparse ops, P u8 / QKV s4"}
+               "sparse": "sparse ops, fp16", **{name: f"sparse ops, {bits}" for name, bits in _BITS.items()},
+               **{f"{name}-fake": f"fake-quantized, {bits} (finetuning path)" for name, bits in _BITS.items()}}
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or the run directory whose latest checkpoint is meant."""
-    path = Path(path)
-    if (path / "model.safetensors").is_file():
-        return path
-    ckpt = latest_checkpoint(path)
-    if ckpt is None:
-        raise FileNotFoundError(f"{path}: neither a checkpoint (model.safetensors) nor a run directory with "
-                                "checkpoints/; train one with `magicube train --config NAME`")
-    return ckpt
+def check_precision(ckpt, precision: str | None, backends) -> None:
+    """A finetuned checkpoint runs only its own integer precision (and the float backends)."""
+    if precision is None:
+        return
+    wrong = [b for b in backends if BACKENDS[b][0] in QUANTIZED and BACKENDS[b][0] != precision]
+    if wrong:
+        raise ValueError(f"{ckpt} was quantization-finetuned for {precision}; its weights and Q/K/V scales do not "
+                         f"serve backend(s) {', '.join(wrong)}. Evaluate it with --backends {precision} "
+                         f"{precision}-fake (or dense / sparse), or finetune the source checkpoint for those "
+                         f"bits: magicube finetune --from SOURCE --precision {BACKENDS[wrong[0]][0]}")
 
 
 def _commit() -> str | None:
@@ -79,6 +85,8 @@ def evaluate(path: str | Path, backends=None, split: str | None = None, batch_si
         if bars:
             hf_logging.enable_progress_bar()
     trained_with = model.config.attention
+    precision = model.config.quant_precision
+    check_precision(ckpt, precision, backends)
     model.config.fused = fused
     splits = data_mod.load_tensors(data_cfg, model.config.input_len)
     if split not in splits:
@@ -99,7 +107,8 @@ def evaluate(path: str | Path, backends=None, split: str | None = None, batch_si
     state = {"step": json.loads(meta.read_text())["step"]} if meta.is_file() else {}
     return {
         "checkpoint": str(ckpt), "step": state.get("step"), "task": data_cfg["task"], "split": split,
-        "trained_with": trained_with, "majority_baseline": majority, "sparsity": model.config.sparsity, "v": model.config.v,
+        "trained_with": trained_with, "quant_precision": precision,
+        "quant_scales": model.config.quant_scales if precision else None, "majority_baseline": majority, "sparsity": model.config.sparsity, "v": model.config.v,
         "mask_kind": model.config.mask_kind, "fused": fused, "device": _device_name(accelerator.device),
         "torch": torch.__version__, "python": platform.python_version(), "commit": _commit(), "results": rows,
     }
@@ -112,9 +121,11 @@ def _device_name(device: torch.device) -> str:
 
 
 def to_markdown(report: dict) -> str:
+    tuned = (f"quantization-finetuned for `{report['quant_precision']}` with {report['quant_scales']} scales"
+             if report.get("quant_precision") else f"trained with `{report['trained_with']}` attention")
     head = (f"{report['task']} {report['split']} accuracy, checkpoint step {report['step']} "
-            f"(trained with `{report['trained_with']}` attention, {report['mask_kind']} mask, "
-            f"sparsity {report['sparsity']}, V={report['v']}), on {report['device']}\n\n")
+            f"({tuned}, {report['mask_kind']} mask, sparsity {report['sparsity']}, V={report['v']}), "
+            f"on {report['device']}\n\n")
     lines = ["| backend | attention | accuracy | loss | examples | seconds |", "| --- | --- | ---: | ---: | ---: | ---: |"]
     for r in report["results"]:
         lines.append(f"| {r['backend']} | {r['description']} | {100 * r['accuracy']:.2f} % | {r['loss']:.4f} | "

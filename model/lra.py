@@ -15,9 +15,16 @@ One block: x + Attn(LN(x)), then x + MLP(LN(x)) with GELU. Attention backends (c
 
 With config.fused the three ops run as the one op magicube.ops.sparse_attention (same roundings).
 
-The ops have no backward, so whenever gradients are needed the sparse backend runs the
-same function as masked dense attention (scores outside the mask at -inf). Padding tokens
-are not masked out: the mask is shared by the whole batch, as the kernels require.
+The ops have no backward, so whenever gradients are needed (or with sparse_impl "masked") the
+sparse backend runs the same function as masked dense attention (scores outside the mask at
+-inf), and the quantized backends their fake-quantized twin (model/fakequant.py: the same
+integers and roundings, straight-through gradients). Padding tokens are not masked out: the
+mask is shared by the whole batch, as the kernels require.
+
+A quantization-finetuned model records its precision (config.quant_precision) and how its
+Q/K/V scales are set (config.quant_scales: "absmax" per batch x head, or calibrated "fixed" /
+"learned" scales per head or per tensor, kept in each layer's `qkv_scale`); the integer ops
+then quantize with those scales instead of the per-batch absmax.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from magicube import ops
+from magicube.model import fakequant
 from magicube.model.masks import KINDS, layer_mask
 
 # backend -> (softmax output bits, Q/K/V bits)
@@ -45,19 +53,24 @@ class LRAConfig(PretrainedConfig):
     def __init__(self, vocab_size=257, num_classes=2, max_len=4096, emb_dim=256, num_heads=4, num_layers=4,
                  mlp_dim=1024, dropout=0.1, attention_dropout=0.1, pool="cls", attention="dense",
                  sparse_impl="auto", fused=False, mask_kind="random", sparsity=0.9, v=8, mask_seed=0, window=32,
-                 **kwargs):
+                 quant_precision=None, quant_scales="absmax", quant_granularity="head", **kwargs):
         self.vocab_size, self.num_classes, self.max_len = vocab_size, num_classes, max_len
         self.emb_dim, self.num_heads, self.num_layers, self.mlp_dim = emb_dim, num_heads, num_layers, mlp_dim
         self.dropout, self.attention_dropout, self.pool = dropout, attention_dropout, pool
         self.attention, self.sparse_impl, self.fused = attention, sparse_impl, fused
         self.mask_kind, self.sparsity, self.v, self.mask_seed, self.window = mask_kind, sparsity, v, mask_seed, window
+        self.quant_precision, self.quant_scales = quant_precision, quant_scales
+        self.quant_granularity = quant_granularity
         super().__init__(**kwargs)
         self.validate_lra()
 
     def validate_lra(self):
         for name, value, allowed in (("attention", self.attention, BACKENDS), ("pool", self.pool, POOLS),
                                      ("sparse_impl", self.sparse_impl, SPARSE_IMPLS),
-                                     ("mask_kind", self.mask_kind, KINDS)):
+                                     ("mask_kind", self.mask_kind, KINDS),
+                                     ("quant_precision", self.quant_precision, (None, *QUANTIZED)),
+                                     ("quant_scales", self.quant_scales, fakequant.SCALE_MODES),
+                                     ("quant_granularity", self.quant_granularity, fakequant.GRANULARITIES)):
             if value not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, got {value!r}")
         if self.emb_dim % self.num_heads:
@@ -65,6 +78,11 @@ class LRAConfig(PretrainedConfig):
         if self.max_len % self.v:
             raise ValueError(f"max_len {self.max_len} (the attention length, CLS included) is not a multiple "
                              f"of the vector length v={self.v}")
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the layers hold calibrated Q/K/V scales (`qkv_scale`) for quant_precision."""
+        return self.quant_precision is not None and self.quant_scales != "absmax"
 
     @property
     def input_len(self) -> int:
@@ -93,6 +111,13 @@ class Attention(nn.Module):
         # Saved with the weights, so a checkpoint carries the exact pattern it was trained with.
         self.register_buffer("mask", m.mask, persistent=True)
         self._patterns: dict[torch.device, ops.SRBCRS] = {}
+        if config.calibrated:
+            # Q, K, V scales (rows) per head or per tensor; calibration sets them before finetuning.
+            init = torch.ones(3, self.h if config.quant_granularity == "head" else 1)
+            if config.quant_scales == "learned":
+                self.qkv_scale = nn.Parameter(init)
+            else:
+                self.register_buffer("qkv_scale", init, persistent=True)
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._patterns.clear()
@@ -118,6 +143,8 @@ class Attention(nn.Module):
             y = probs @ v
         elif backend == "sparse" and (impl == "masked" or (impl == "auto" and needs_grad)):
             y = self.masked(q, k, v, p_drop)
+        elif backend in QUANTIZED and (impl == "masked" or (impl == "auto" and needs_grad)):
+            y = self.fake_quantized(q, k, v).to(x.dtype)
         elif needs_grad:
             raise RuntimeError(f"attention {backend!r} (sparse_impl {impl!r}) runs through the magicube ops, "
                                "which have no backward; train with 'dense' or 'sparse' and evaluate with it")
@@ -133,6 +160,21 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep | empty[:, None], dropout_p=p_drop)
         return y.masked_fill(empty[:, None], 0.0)
 
+    def scales(self) -> torch.Tensor | None:
+        """The calibrated Q/K/V scales [3, H or 1] if they serve the current backend, else None (absmax)."""
+        c = self.config
+        if c.calibrated and c.attention == c.quant_precision:
+            return self.qkv_scale
+        return None
+
+    def fake_quantized(self, q, k, v) -> torch.Tensor:
+        """The quantized backend's function, differentiable (attention dropout does not apply: the
+        integer ops have none)."""
+        p_bits, bits = QUANTIZED[self.config.attention]
+        keep = self.mask.repeat_interleave(self.config.v, dim=0)
+        return fakequant.attention(q, k, v, keep, p_bits=p_bits, bits=bits, softmax_scale=q.shape[-1] ** -0.5,
+                                   scales=self.scales())
+
     def sparse_ops(self, q, k, v) -> torch.Tensor:
         B, H, T, d = q.shape
         pat = self.pattern(q.device)
@@ -146,7 +188,13 @@ class Attention(nn.Module):
             y = ops.spmm(pat, p, v.half(), a_bits=16, b_bits=16)
         else:
             p_bits, bits = QUANTIZED[self.config.attention]
-            (qq, sq), (kq, sk), (vq, sv) = (self.quantize(t, bits) for t in (q, k, v))
+            scales = self.scales()
+            if scales is not None:
+                scales = fakequant.positive(scales.detach()).repeat(1, H // scales.shape[1]).repeat(1, B)  # [3, BH]
+                (qq, sq), (kq, sk), (vq, sv) = ((ops.quantize_to_container(t, s.view(-1, 1, 1), bits), s)
+                                                for t, s in zip((q, k, v), scales))
+            else:
+                (qq, sq), (kq, sk), (vq, sv) = (self.quantize(t, bits) for t in (q, k, v))
             if self.config.fused:
                 return ops.sparse_attention(pat, qq, kq, vq, softmax_scale=d ** -0.5, qk_bits=bits, p_bits=p_bits,
                                             scale_q=sq, scale_k=sk, scale_v=sv).view(B, H, T, d)

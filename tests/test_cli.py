@@ -18,12 +18,17 @@ def _paths(tmp_path):
     return [f"data.path={tmp_path / 'listops'}", f"data.cache_dir={tmp_path / 'cache'}"]
 
 
-def test_demo_trains_and_evaluates_every_backend(tmp_path, capsys):
+def test_demo_trains_finetunes_and_evaluates_every_backend(tmp_path, capsys):
     out = tmp_path / "demo"
-    assert main(["demo", "--out-dir", str(out), "--no-progress", *SMALL, *_paths(tmp_path)]) == 0
+    assert main(["demo", "--out-dir", str(out), "--no-progress", *SMALL, *_paths(tmp_path),
+                 "finetune.train.steps=3"]) == 0
     text = capsys.readouterr().out
-    for backend in ("dense", "sparse-masked", "sparse", "16b-8b", "8b-8b", "8b-4b"):
+    for backend in ("dense", "sparse-masked", "sparse", "16b-8b", "8b-8b", "8b-4b", "8b-8b-fake"):
         assert f"| {backend} |" in text
+    assert "8b-8b through the integer ops:" in text and "after 3 finetuning steps" in text
+    tuned = json.loads((out / "finetune_8b-8b" / "eval_test.json").read_text())
+    assert tuned["quant_precision"] == "8b-8b" and tuned["step"] == 3
+    assert [r["backend"] for r in tuned["results"]] == ["sparse-masked", "sparse", "8b-8b-fake", "8b-8b"]
     report = json.loads((out / "eval_test.json").read_text())
     assert report["step"] == 4 and report["split"] == "test"
     assert [r["examples"] for r in report["results"]] == [24] * 6
@@ -59,9 +64,30 @@ def test_data_imdb_reports_the_archive(capsys):
     assert "train: 25000 reviews, 12500 positive" in out and "is complete" in out
 
 
-def test_unbuilt_commands_say_so(capsys):
-    assert main(["finetune"]) != 0
-    assert "not built yet" in capsys.readouterr().err
+def test_finetune_command(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--config", "tiny", "--no-progress", *SMALL, *_paths(tmp_path), f"out_dir={run}"]) == 0
+    with pytest.raises(SystemExit):
+        main(["finetune", "--precision", "8b-8b"])  # --from is required
+    assert main(["finetune", "--from", str(tmp_path / "nothing"), "--no-progress"]) == 1
+    assert "magicube train" in capsys.readouterr().err
+    args = ["finetune", "--from", str(run), "--precision", "8b-4b", "--config", "tiny", "--no-progress",
+            "train.steps=2", "finetune.scales=fixed", "finetune.granularity=tensor", "finetune.calibration_batches=1"]
+    assert main(args) == 0
+    assert "finetuned" in capsys.readouterr().out
+    tuned = run / "finetune_8b-4b"
+    assert main(args) == 0 and "resuming from" in capsys.readouterr().out
+    assert main(["evaluate", str(tuned), "--backends", "8b-8b", "--no-progress"]) == 1
+    assert "quantization-finetuned for 8b-4b" in capsys.readouterr().err
+    assert main(["evaluate", str(tuned), "--backends", "8b-4b", "--no-progress", "--out", str(tmp_path / "e")]) == 0
+    assert json.loads((tmp_path / "e.json").read_text())["quant_scales"] == "fixed"
+
+
+def test_cli_names_the_model_backends():
+    from magicube.eval import cli
+    from magicube.model import QUANTIZED
+
+    assert cli.QUANTIZED == tuple(QUANTIZED)
 
 
 def test_bench_checks_every_backend_and_says_cpu_timings_are_cpu_timings(tmp_path, capsys):

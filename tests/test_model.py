@@ -91,9 +91,11 @@ def test_training_path_and_gradients():
     out.loss.backward()
     assert torch.isfinite(out.loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    model.set_attention("8b-8b")
+    model.set_attention("8b-8b", "ops")
     with pytest.raises(RuntimeError, match="no backward"):
         model(x, labels=y)
+    model.set_attention("8b-8b", "auto")  # gradients: the fake-quantized twin of the ops
+    model(x, labels=y).loss.backward()
 
 
 def test_masks():

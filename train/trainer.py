@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from magicube.model.lra import LRAClassifier, LRAConfig
+from magicube.model.lra import QUANTIZED, LRAClassifier, LRAConfig
 from magicube.train import data as data_mod
 from magicube.train.config import dump_config, load_config
 
@@ -46,6 +46,26 @@ def lra_lr_lambda(warmup: int):
         s = step + 1
         return min(1.0, s / warmup) / math.sqrt(max(s, warmup))
     return factor
+
+
+def lr_lambda(tc: dict):
+    """train.schedule: "lra" (warm-up then rsqrt decay) or "constant" (warm-up then flat, for finetuning)."""
+    schedule, warmup = tc.get("schedule", "lra"), int(tc["warmup"])
+    if schedule == "lra":
+        return lra_lr_lambda(warmup)
+    if schedule == "constant":
+        return lambda step: min(1.0, (step + 1) / max(warmup, 1))
+    raise ValueError(f"train.schedule: expected 'lra' or 'constant', got {schedule!r}")
+
+
+def param_groups(model, tc: dict) -> list[dict]:
+    """Weights, and learned quantization scales apart: their own lr (train.scale_lr), no weight decay."""
+    scales = [p for n, p in model.named_parameters() if n.endswith("qkv_scale")]
+    weights = [p for n, p in model.named_parameters() if not n.endswith("qkv_scale")]
+    groups = [{"params": weights}]
+    if scales:
+        groups.append({"params": scales, "lr": float(tc.get("scale_lr", tc["lr"])), "weight_decay": 0.0})
+    return groups
 
 
 def batch_indices(step: int, n: int, batch_size: int, seed: int) -> torch.Tensor:
@@ -73,6 +93,18 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
             return p
     done = sorted(p for p in root.glob("step_*") if p.is_dir() and (p / "trainer_state.json").is_file())
     return done[-1] if done else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or the run directory whose latest checkpoint is meant."""
+    path = Path(path)
+    if (path / "model.safetensors").is_file():
+        return path
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise FileNotFoundError(f"{path}: neither a checkpoint (model.safetensors) nor a run directory with "
+                                "checkpoints/; train one with `magicube train --config NAME`")
+    return ckpt
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -230,8 +262,13 @@ def accuracy(model, ids: torch.Tensor, labels: torch.Tensor, batch_size: int, ac
 
 # ---- training ----------------------------------------------------------------------------
 
-def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int | None = None) -> dict:
-    """Train as the config says; returns a summary. `stop_after` ends early (as an interruption would)."""
+def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int | None = None,
+          init_model=None) -> dict:
+    """Train as the config says; returns a summary. `stop_after` ends early (as an interruption would).
+
+    `init_model(config, train_split, device, resuming)` builds the model in place of a fresh
+    one (finetuning starts from trained weights); when resuming, the checkpoint's weights follow.
+    """
     tc = cfg["train"]
     seed = int(cfg.get("seed", 0))
     out_dir = Path(cfg.get("out_dir") or f"runs/{cfg.get('name', 'run')}")
@@ -249,14 +286,18 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
     train_ids, train_labels = splits["train"]
     eval_ids, eval_labels = splits[data_mod.EVAL_SPLIT[cfg["data"]["task"]]]
 
-    model = LRAClassifier(mcfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=float(tc["lr"]), betas=tuple(tc.get("betas", (0.9, 0.98))),
-                                  eps=float(tc.get("eps", 1e-9)), weight_decay=float(tc.get("weight_decay", 0.0)))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lra_lr_lambda(int(tc["warmup"])))
+    ckpt = latest_checkpoint(out_dir) if resume else None
+    if init_model is None:
+        model = LRAClassifier(mcfg)
+    else:
+        model = init_model(mcfg, (train_ids, train_labels), accelerator.device, ckpt is not None)
+    optimizer = torch.optim.AdamW(param_groups(model, tc), lr=float(tc["lr"]),
+                                  betas=tuple(tc.get("betas", (0.9, 0.98))), eps=float(tc.get("eps", 1e-9)),
+                                  weight_decay=float(tc.get("weight_decay", 0.0)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc))
     model, optimizer = accelerator.prepare(model, optimizer)
 
     start = 0
-    ckpt = latest_checkpoint(out_dir) if resume else None
     if ckpt is not None:
         start = load_checkpoint(ckpt, model, optimizer, scheduler, accelerator)
         accelerator.print(f"resuming from {ckpt} (step {start})")
@@ -280,7 +321,7 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
     eval_batches = tc.get("eval_batches")
     grad_clip = tc.get("grad_clip")
     # The ops serve inference; evaluation during training runs the same function as training.
-    eval_impl = "masked" if mcfg.attention == "sparse" else None
+    eval_impl = "masked" if mcfg.attention in ("sparse", *QUANTIZED) else None
 
     def log(record: dict):
         if main:

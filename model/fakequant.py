@@ -1,0 +1,165 @@
+"""Fake quantization: the integer attention backends as a differentiable function of fp32 tensors.
+
+`attention` computes, on masked dense tensors, what the integer ops compute on SR-BCRS:
+
+    Q, K, V -> q = clamp(round_half_even(x / s), qmin, qmax)               (signed, bits)
+    scores  = fp16(fp32(q_Q @ q_K^T) * (s_Q * s_K))                        (SDDMM)
+    x = fp32(scores) * d^-0.5; e = exp(x - rowmax); S = sum e over the kept entries
+    p = round_half_even(e * pmax),  row_scale = 1 / (S * pmax)             (softmax, unsigned p_bits)
+    out = fp16(fp32(p @ q_V) * (row_scale * s_V))                          (SpMM)
+
+Every rounding passes its gradient straight through (STE), and the clamp stops it at
+saturation. Scales are either the per-(batch x head) absmax of the current tensors (what
+`Attention.quantize` does at inference, gradient-free) or given per head / per tensor; a
+scale tensor that requires grad is learned LSQ-style: its gradient is the STE derivative of
+the dequantized values (q - x/s inside the range, qmin or qmax outside), times 1/sqrt(n qmax).
+
+Exactness, against the integer kernels:
+- Q K^T: integers of at most 2^(2(bits-1)) summed over the head dim d, below 2^24 for d <= 1024
+  at 8 bits: fp32 (and TF32, whose 11-bit significand holds 8-bit integers) sums them exactly,
+  in any order, so the scores are bit-identical to the SDDMM's.
+- p: the same fp32 exp(x - max) elementwise, so the same integers as the softmax op.
+- p @ q_V: p reaches 2^16 - 1 and the row sum of p q_V goes far past 2^24 (16-bit p times
+  8-bit V over thousands of columns), so fp32 could not hold it; it is summed in fp64, exact
+  below 2^53, and fp32(acc) is then the same round-to-nearest the kernels apply to the int64.
+- The one inexact quantity is S, a sum of fp32 terms in another order than the op's: a few
+  fp32 ulps relative, so row_scale and the output agree to far below the fp16 output rounding
+  (the output is almost always bit-identical, otherwise one fp16 ulp off).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from magicube.ops import absmax_scale, qrange
+
+SCALE_MODES = ("absmax", "fixed", "learned")  # absmax: per (batch x head) of each batch, as inference
+GRANULARITIES = ("head", "tensor")
+# Rows of scores materialized at once (elements of one chunk of [B, H, rows, T]); a longer
+# attention runs in row chunks that are recomputed in the backward pass.
+CHUNK_ELEMENTS = 1 << 25
+
+
+class _RoundSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)  # half to even, as the ops
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _HalfSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.half().float()  # round to nearest even, as the ops' fp16 outputs
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    return _RoundSTE.apply(x)
+
+
+def fp16_ste(x: torch.Tensor) -> torch.Tensor:
+    return _HalfSTE.apply(x)
+
+
+def grad_scale(x: torch.Tensor, g: float) -> torch.Tensor:
+    """x in the forward pass, g times its gradient in the backward (LSQ's step-size gradient scale)."""
+    y = x * g
+    return (x - y).detach() + y
+
+
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor, bits: int, signed: bool = True) -> torch.Tensor:
+    """ops.quantize as integer-valued fp32 with straight-through gradients, zero where it saturates."""
+    qmin, qmax = qrange(bits, signed)
+    r = round_ste(x.float() / scale)
+    # not torch.clamp: its gradient also stops at values that round exactly to qmin or qmax
+    return torch.where(r > qmax, qmax, torch.where(r < qmin, qmin, r))
+
+
+def qkv_scales(q, k, v, bits: int, scales: torch.Tensor | None):
+    """Scales of Q, K, V as [B, H, 1, 1] each: absmax per (batch x head), or the given [3, H] / [3, 1]."""
+    if scales is None:
+        return [absmax_scale(t, bits, dim=(-2, -1)) for t in (q, k, v)]
+    _, qmax = qrange(bits)
+    if scales.requires_grad:
+        # LSQ: a step size sees the gradient of every element it quantizes; 1/sqrt(n qmax) keeps
+        # its steps in proportion to those of the weights.
+        n = q[..., 0, :, :].numel() * (q.shape[1] if scales.shape[1] == 1 else 1)
+        scales = grad_scale(scales, 1.0 / math.sqrt(n * qmax))
+    return [s.view(1, -1, 1, 1) for s in positive(scales)]
+
+
+def positive(scales: torch.Tensor) -> torch.Tensor:
+    """A learned scale could step to or below zero; the smallest normal keeps the division finite."""
+    return scales.float().clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *, p_bits: int, bits: int,
+              softmax_scale: float, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Fake-quantized sparse attention. q, k, v: [B, H, T, d]; keep: [T, T] bools (the element mask).
+
+    Returns fp32 holding the fp16 values the integer ops would return.
+    """
+    with torch.autocast(q.device.type, enabled=False):  # integer products need fp32, never bf16/fp16
+        q, k, v = q.float(), k.float(), v.float()
+        sq, sk, sv = qkv_scales(q, k, v, bits, scales)
+        qi, ki, vi = fake_quantize(q, sq, bits), fake_quantize(k, sk, bits), fake_quantize(v, sv, bits)
+        score_scale = sq * sk  # fp32 product first, as the kernels
+        B, H, T, _ = q.shape
+        rows = max(1, CHUNK_ELEMENTS // max(1, B * H * k.shape[2]))
+        if rows >= T:
+            return _rows(qi, ki, vi, keep, score_scale, sv, p_bits, softmax_scale)
+        parts = []
+        for r in range(0, T, rows):
+            args = (qi[:, :, r:r + rows], ki, vi, keep[r:r + rows], score_scale, sv, p_bits, softmax_scale)
+            parts.append(checkpoint(_rows, *args, use_reentrant=False) if torch.is_grad_enabled() else _rows(*args))
+        return torch.cat(parts, dim=2)
+
+
+def _rows(qi, ki, vi, keep, score_scale, sv, p_bits: int, softmax_scale: float) -> torch.Tensor:
+    """SDDMM -> softmax -> SpMM for a block of query rows (rows are independent)."""
+    scores = fp16_ste((qi @ ki.transpose(-2, -1)) * score_scale)
+    p, row_scale = quantized_softmax(scores, keep, softmax_scale, p_bits)
+    acc = (p.double() @ vi.double()).float()
+    return fp16_ste(acc * (row_scale * sv))
+
+
+def quantized_softmax(scores: torch.Tensor, keep: torch.Tensor, softmax_scale: float, p_bits: int):
+    """ops.sparse_softmax on dense rows: (integer-valued p, row_scale [..., 1]); 0 outside `keep`."""
+    x = scores * softmax_scale
+    xk = torch.where(keep, x, float("-inf"))
+    # The max only shifts the exponent (the output is invariant to it): no gradient through it.
+    m = xk.amax(dim=-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, 0.0)  # a row with nothing kept
+    e = torch.where(keep, torch.exp(x - m), 0.0)
+    s = e.sum(dim=-1, keepdim=True)
+    pmax = (1 << p_bits) - 1
+    p = round_ste(e * pmax)  # e <= 1: never saturates
+    row_scale = torch.where(s > 0, 1.0 / (torch.where(s > 0, s, 1.0) * pmax), 0.0)
+    return p, row_scale
+
+
+@torch.no_grad()
+def observe_absmax(qkv_out: torch.Tensor, heads: int) -> torch.Tensor:
+    """The qkv projection's output [B, T, 3 E] -> the absmax of Q, K, V per head, [3, H]."""
+    B, T, E3 = qkv_out.shape
+    return qkv_out.detach().float().view(B, T, 3, heads, E3 // (3 * heads)).abs().amax(dim=(0, 1, 4))
+
+
+def scales_from_absmax(absmax: torch.Tensor, bits: int, granularity: str) -> torch.Tensor:
+    """Calibrated absmax [3, H] -> scales [3, H] (per head) or [3, 1] (per tensor), as ops.absmax_scale."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
+    if granularity == "tensor":
+        absmax = absmax.amax(dim=1, keepdim=True)
+    _, qmax = qrange(bits)
+    absmax = absmax.float()
+    return torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax))

@@ -1,0 +1,250 @@
+"""Quantization finetuning: the fake-quantized forward against the integer ops, STE gradients,
+calibration, the finetuning run (resume, what its checkpoint records) and evaluation's checks."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import awkward_mask
+from magicube import ops
+from magicube.eval.evaluate import evaluate
+from magicube.model import fakequant
+from magicube.model.lra import QUANTIZED, LRAClassifier, LRAConfig
+from magicube.train.config import load_config
+from magicube.train.finetune import calibrate, finetune, finetune_config
+from magicube.train.trainer import read_trainer_state, train
+
+PRECISIONS = list(QUANTIZED)
+
+
+def small_config(**kw):
+    base = dict(vocab_size=16, num_classes=10, max_len=64, emb_dim=32, num_heads=2, num_layers=2, mlp_dim=64,
+                dropout=0.0, attention_dropout=0.0, attention="sparse", mask_kind="random", sparsity=0.7, v=8)
+    return LRAConfig(**{**base, **kw})
+
+
+def qkv(B=2, H=2, T=64, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # uneven magnitudes per head, so that per-head and per-tensor scales differ
+    return [torch.randn(B, H, T, d, generator=g) * torch.tensor([1.0, 3.0])[:H, None, None] for _ in range(3)]
+
+
+def fp16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of fp16 at |x| (subnormal spacing below the normal range)."""
+    e = torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -14)))
+    return 2.0 ** (e - 10)
+
+
+def ops_intermediates(attn_mask, q, k, v, p_bits, bits, scales=None):
+    """The integer ops on CPU (the reference): SDDMM int64, probabilities, output."""
+    B, H, T, d = q.shape
+    pat = ops.SRBCRS.from_mask(ops.VectorMask(attn_mask, 8), stride=32)
+    flat = [t.reshape(B * H, T, d) for t in (q, k, v)]
+    if scales is None:
+        s = [ops.absmax_scale(t, bits, dim=(1, 2)).view(-1) for t in flat]
+    else:
+        s = [row.repeat(H // len(row)).repeat(B) for row in scales]
+    qq, kq, vq = (ops.quantize_to_container(t, si.view(-1, 1, 1), bits) for t, si in zip(flat, s))
+    acc = ops.sddmm(pat, qq, kq, bits=bits, out_dtype=torch.int64)
+    scores = ops.sddmm(pat, qq, kq, bits=bits, scale_a=s[0], scale_b=s[1])
+    probs, row_scale = ops.sparse_softmax(pat, scores, scale=d ** -0.5, out_bits=p_bits)
+    out = ops.spmm(pat, probs, vq, a_bits=p_bits, a_signed=False, b_bits=bits, scale_a=row_scale, scale_b=s[2])
+    dense = lambda x: pat.to_dense(x).view(B, H, T, T)  # noqa: E731
+    p_int = dense(ops.from_container(probs, p_bits, signed=False))
+    return dense(acc), p_int, out.view(B, H, T, d).float()
+
+
+@pytest.mark.parametrize("scales", ["absmax", "head", "tensor"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_fake_quantized_attention_reproduces_the_integer_ops(precision, scales):
+    p_bits, bits = QUANTIZED[precision]
+    mask = awkward_mask(64, 64, 8, 0.7, seed=3).mask  # an empty vector row and a full one
+    keep = mask.repeat_interleave(8, dim=0)
+    q, k, v = qkv(seed=1)
+    given = None
+    if scales != "absmax":
+        absmax = torch.stack([t.abs().amax(dim=(0, 2, 3)) for t in (q, k, v)])  # [3, H]
+        # 0.8: the largest values saturate, which the fake quantization must clamp like the ops
+        given = fakequant.scales_from_absmax(0.8 * absmax, bits, scales)
+    ref_acc, ref_p, ref_out = ops_intermediates(mask, q, k, v, p_bits, bits, given)
+
+    sq, sk, sv = fakequant.qkv_scales(q, k, v, bits, given)
+    qi, ki = fakequant.fake_quantize(q, sq, bits), fakequant.fake_quantize(k, sk, bits)
+    assert torch.equal((qi @ ki.transpose(-1, -2)).masked_fill(~keep, 0).long(), ref_acc)  # exact scores
+    out = fakequant.attention(q, k, v, keep, p_bits=p_bits, bits=bits, softmax_scale=16 ** -0.5, scales=given)
+    scores = fakequant.fp16_ste((qi @ ki.transpose(-1, -2)) * (sq * sk))
+    p, _ = fakequant.quantized_softmax(scores, keep, 16 ** -0.5, p_bits)
+    assert torch.equal(p.long(), ref_p)  # the same probabilities
+    # the output: only the row sum's fp32 summation order differs: at most one fp16 ulp
+    diff = (out - ref_out).abs()
+    assert (diff <= fp16_ulp(ref_out)).all(), f"max diff {diff.max()}"
+    assert (diff > 0).float().mean() < 0.01
+    assert out[:, :, :8].abs().max() == 0  # the empty vector row
+    assert torch.equal(out, out.half().float())  # fp16 values
+
+
+def test_long_attention_runs_in_row_chunks_with_the_same_result(monkeypatch):
+    q, k, v = (t.requires_grad_() for t in qkv(seed=4))
+    keep = awkward_mask(64, 64, 8, 0.5, seed=0).mask.repeat_interleave(8, dim=0)
+    whole = fakequant.attention(q, k, v, keep, p_bits=8, bits=8, softmax_scale=0.25)
+    grads = torch.autograd.grad(whole.square().sum(), (q, k, v))
+    monkeypatch.setattr(fakequant, "CHUNK_ELEMENTS", 2 * 2 * 64 * 24)  # 24 rows a chunk, the last one short
+    chunked = fakequant.attention(q, k, v, keep, p_bits=8, bits=8, softmax_scale=0.25)
+    assert torch.equal(chunked, whole)
+    for a, b in zip(torch.autograd.grad(chunked.square().sum(), (q, k, v)), grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # the same terms, summed per chunk
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_model_fake_quantized_and_integer_ops_agree(precision):
+    """The training function and the inference function of one finetuned model: logits within the fp16
+    output rounding, the same predictions."""
+    torch.manual_seed(0)
+    model = LRAClassifier(small_config(attention=precision, quant_precision=precision, quant_scales="fixed",
+                                       quant_granularity="head")).eval()
+    ids = torch.randint(1, 16, (6, 63))
+    bits = QUANTIZED[precision][1]
+    amax = calibrate(model, ids, 3, 2, seed=0, attention="sparse", device="cpu")
+    for block, a in zip(model.blocks, amax):
+        block.attn.qkv_scale.copy_(fakequant.scales_from_absmax(0.9 * a, bits, "head"))
+    x = torch.randint(1, 16, (8, 63))
+    with torch.no_grad():
+        model.set_attention(precision, "masked")
+        fake = model(x).logits
+        model.set_attention(precision, "ops")
+        real = model(x).logits
+        model.config.quant_scales = "absmax"  # the same model, scales from each batch
+        absmax = model(x).logits
+    torch.testing.assert_close(fake, real, rtol=2e-3, atol=2e-3)
+    assert torch.equal(fake.argmax(-1), real.argmax(-1))
+    assert not torch.allclose(absmax, real, rtol=1e-4, atol=1e-4)  # the calibrated scales were used
+
+
+def test_straight_through_gradients():
+    x = torch.tensor([-200.0, -3.5, -0.4, 0.5, 2.5, 126.6, 127.4, 300.0], requires_grad=True)
+    q = fakequant.fake_quantize(x, torch.tensor(1.0), 8)
+    assert q.tolist() == [-128, -4, -0, 0, 2, 127, 127, 127]  # half to even, saturated
+    (g,) = torch.autograd.grad(q.sum(), x)
+    assert g.tolist() == [0, 1, 1, 1, 1, 1, 1, 0]  # identity inside the range, zero where it saturates
+    y = torch.tensor([1.0 + 2 ** -12, 70000.0], requires_grad=True)
+    h = fakequant.fp16_ste(y)
+    assert h.tolist() == [1.0, float("inf")] and torch.autograd.grad(h.sum(), y)[0].tolist() == [1.0, 1.0]
+
+    # LSQ: d(q * s)/ds = q - x/s inside the range, qmax outside (before the gradient scale)
+    s = torch.tensor(0.5, requires_grad=True)
+    xs = torch.tensor([0.3, 100.0])
+    (gs,) = torch.autograd.grad((fakequant.fake_quantize(xs, s, 8) * s).sum(), s)
+    assert gs.item() == pytest.approx((1 - 0.6) + 127)
+
+
+@pytest.mark.parametrize("scales", ["absmax", "learned"])
+def test_gradients_flow_through_the_fake_quantized_model(scales):
+    torch.manual_seed(0)
+    model = LRAClassifier(small_config(attention="8b-4b", quant_precision="8b-4b", quant_scales=scales)).train()
+    model.blocks[1].attn.mask[0] = False  # an empty row must not poison the gradients
+    if scales == "learned":
+        for b in model.blocks:
+            b.attn.qkv_scale.data.fill_(0.3)
+    x, y = torch.randint(1, 16, (4, 63)), torch.randint(0, 10, (4,))
+    out = model(x, labels=y)  # sparse_impl auto + gradients: the fake-quantized path
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    assert grads["blocks.0.attn.qkv.weight"].abs().sum() > 0
+    if scales == "learned":
+        assert grads["blocks.0.attn.qkv_scale"].shape == (3, 2) and grads["blocks.0.attn.qkv_scale"].abs().min() > 0
+    model.set_attention("8b-4b", "ops")
+    with pytest.raises(RuntimeError, match="no backward"):
+        model(x, labels=y)
+
+
+# ---- finetuning runs ---------------------------------------------------------------------
+
+SMALL = ["data.generate.num_train=256", "data.generate.num_val=32", "data.generate.num_test=32",
+         "data.generate.max_length=60", "model.max_len=64", "model.emb_dim=32", "model.mlp_dim=64",
+         "train.batch_size=16", "train.warmup=4", "train.log_every=2", "train.eval_every=4",
+         "train.checkpoint_every=4", "train.keep_checkpoints=null", "train.steps=8"]
+FT = ["finetune.train.steps=6", "finetune.train.checkpoint_every=2", "finetune.train.eval_every=3",
+      "finetune.train.warmup=2", "finetune.calibration_batches=3", "finetune.train.lr=1e-3",
+      "finetune.train.scale_lr=1e-3"]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A trained sparse run (8 steps)."""
+    tmp = tmp_path_factory.mktemp("source")
+    cfg = load_config("tiny", [*SMALL, f"data.path={tmp / 'listops'}", f"data.cache_dir={tmp / 'cache'}",
+                               f"out_dir={tmp / 'run'}"])
+    train(cfg, progress=False)
+    return tmp / "run"
+
+
+def test_calibration_is_deterministic_and_is_the_absmax(source):
+    ckpt = source / "checkpoints" / "step_0000008"
+    model = LRAClassifier.from_pretrained(ckpt)
+    ids = torch.randint(1, 16, (40, 63), generator=torch.Generator().manual_seed(0))
+    a = calibrate(model, ids, 8, 3, seed=0, attention="sparse", device="cpu")
+    b = calibrate(model, ids, 8, 3, seed=0, attention="sparse", device="cpu")
+    assert torch.equal(a, b) and a.shape == (2, 3, 4) and (a > 0).all()
+    assert model.config.attention == "sparse" and model.config.sparse_impl == "auto"  # restored
+    # the running max over the batches is the max over their union
+    from magicube.train.trainer import batch_indices
+    seen = torch.cat([batch_indices(s, 40, 8, 0) for s in range(3)])
+    outs = []
+    h = model.blocks[1].attn.qkv.register_forward_hook(lambda m, i, o: outs.append(o))
+    with torch.no_grad():
+        model.eval().set_attention("sparse", "masked")
+        model(ids[seen])
+    h.remove()
+    assert torch.equal(a[1], fakequant.observe_absmax(outs[0], 4))
+    s = fakequant.scales_from_absmax(a[1], 8, "tensor")
+    assert s.shape == (3, 1) and torch.equal(s[:, 0], a[1].amax(1) / 127)
+
+
+def test_finetune_resumes_and_records_precision_and_scales(source, tmp_path):
+    full = finetune(source, "8b-8b", overrides=[*FT, f"finetune.out_dir={tmp_path / 'full'}"], progress=False)
+    cut_ov = [*FT, f"finetune.out_dir={tmp_path / 'cut'}"]
+    cut = finetune(source, "8b-8b", overrides=cut_ov, progress=False, stop_after=3)
+    assert cut["step"] == 3
+    resumed = finetune(source, "8b-8b", overrides=cut_ov, progress=False)
+    assert full["step"] == resumed["step"] == 6 and full["eval_accuracy"] == resumed["eval_accuracy"]
+    a, b = (tmp_path / r / "checkpoints" / "step_0000006" for r in ("full", "cut"))
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+    # the checkpoint records its precision and scales; the scales were learned
+    cfg = json.loads((a / "config.json").read_text())
+    assert (cfg["quant_precision"], cfg["quant_scales"], cfg["quant_granularity"], cfg["attention"]) == \
+        ("8b-8b", "learned", "head", "8b-8b")
+    scales = wa["blocks.0.attn.qkv_scale"]
+    assert scales.shape == (3, 4) and (scales > 0).all()
+    run = load_config(a / "run_config.yaml")
+    assert run["finetune"]["precision"] == "8b-8b" and run["finetune"]["from"].endswith("step_0000008")
+    groups = read_trainer_state(a)["optimizer"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0] and groups[1]["lr"] == pytest.approx(1e-3)
+    assert [json.loads(line)["step"] for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
+            if "eval_accuracy" in line] == [3, 6]
+
+    # evaluation: the finetuned precision through the ops and its fake twin agree; other bits are refused
+    report = evaluate(tmp_path / "full", progress=False)
+    rows = {r["backend"]: r for r in report["results"]}
+    assert list(rows) == ["sparse-masked", "sparse", "8b-8b-fake", "8b-8b"] and report["quant_precision"] == "8b-8b"
+    assert rows["8b-8b"]["accuracy"] == rows["8b-8b-fake"]["accuracy"]
+    assert abs(rows["8b-8b"]["loss"] - rows["8b-8b-fake"]["loss"]) < 1e-3
+    with pytest.raises(ValueError, match="finetuned for 8b-8b.*8b-4b.*--precision 8b-4b"):
+        evaluate(tmp_path / "full", backends=["dense", "8b-4b"], progress=False)
+
+
+def test_finetune_config_composition(source):
+    ckpt = source / "checkpoints" / "step_0000008"
+    cfg = finetune_config(ckpt, None, overrides=["finetune.scales=fixed", "finetune.granularity=tensor",
+                                                 "train.steps=7"])
+    assert cfg["model"]["attention"] == "8b-8b" and cfg["model"]["quant_scales"] == "fixed"
+    assert cfg["train"]["steps"] == 7 and cfg["train"]["schedule"] == "constant"
+    assert cfg["train"]["batch_size"] == 16  # the source's
+    assert cfg["out_dir"] == str(source / "finetune_8b-8b")
+    with pytest.raises(ValueError, match="precision"):
+        finetune_config(ckpt, "4b-4b")
+    with pytest.raises(ValueError, match="finetune.scales"):
+        finetune_config(ckpt, "8b-8b", overrides=["finetune.scales=sometimes"])
