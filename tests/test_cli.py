@@ -25,7 +25,7 @@ def test_demo_trains_finetunes_and_evaluates_every_backend(tmp_path, capsys):
     text = capsys.readouterr().out
     for backend in ("dense", "sparse-masked", "sparse", "16b-8b", "8b-8b", "8b-4b", "8b-8b-fake"):
         assert f"| {backend} |" in text
-    assert "8b-8b through the integer ops:" in text and "after 3 finetuning steps" in text
+    assert "after 3 finetuning steps for 8b-8b: sparse " in text and ", 8b-8b " in text
     tuned = json.loads((out / "finetune_8b-8b" / "eval_test.json").read_text())
     assert tuned["quant_precision"] == "8b-8b" and tuned["step"] == 3
     assert [r["backend"] for r in tuned["results"]] == ["sparse-masked", "sparse", "8b-8b-fake", "8b-8b"]

@@ -114,6 +114,9 @@ def test_model_fake_quantized_and_integer_ops_agree(precision):
         fake = model(x).logits
         model.set_attention(precision, "ops")
         real = model(x).logits
+        model.config.fused = True
+        assert torch.equal(model(x).logits, real)  # the fused op reads the same calibrated scales
+        model.config.fused = False
         model.config.quant_scales = "absmax"  # the same model, scales from each batch
         absmax = model(x).logits
     torch.testing.assert_close(fake, real, rtol=2e-3, atol=2e-3)
