@@ -70,10 +70,20 @@ def fp16_ste(x: torch.Tensor) -> torch.Tensor:
     return _HalfSTE.apply(x)
 
 
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return x.clone()  # the value itself: (x - g x) + g x would not always round back to x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.g, None
+
+
 def grad_scale(x: torch.Tensor, g: float) -> torch.Tensor:
     """x in the forward pass, g times its gradient in the backward (LSQ's step-size gradient scale)."""
-    y = x * g
-    return (x - y).detach() + y
+    return _GradScale.apply(x, g)
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor, bits: int, signed: bool = True) -> torch.Tensor:

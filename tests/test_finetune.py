@@ -55,7 +55,7 @@ def ops_intermediates(attn_mask, q, k, v, p_bits, bits, scales=None):
     return dense(acc), p_int, out.view(B, H, T, d).float()
 
 
-@pytest.mark.parametrize("scales", ["absmax", "head", "tensor"])
+@pytest.mark.parametrize("scales", ["absmax", "head", "tensor", "learned"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_fake_quantized_attention_reproduces_the_integer_ops(precision, scales):
     p_bits, bits = QUANTIZED[precision]
@@ -66,8 +66,10 @@ def test_fake_quantized_attention_reproduces_the_integer_ops(precision, scales):
     if scales != "absmax":
         absmax = torch.stack([t.abs().amax(dim=(0, 2, 3)) for t in (q, k, v)])  # [3, H]
         # 0.8: the largest values saturate, which the fake quantization must clamp like the ops
-        given = fakequant.scales_from_absmax(0.8 * absmax, bits, scales)
+        given = fakequant.scales_from_absmax(0.8 * absmax, bits, "head" if scales == "learned" else scales)
     ref_acc, ref_p, ref_out = ops_intermediates(mask, q, k, v, p_bits, bits, given)
+    if scales == "learned":  # the LSQ gradient scaling leaves the forward values alone
+        given = given.clone().requires_grad_()
 
     sq, sk, sv = fakequant.qkv_scales(q, k, v, bits, given)
     qi, ki = fakequant.fake_quantize(q, sq, bits), fakequant.fake_quantize(k, sk, bits)
