@@ -240,6 +240,13 @@ def test_finetune_resumes_and_records_precision_and_scales(source, tmp_path):
     with pytest.raises(ValueError, match="finetuned for 8b-8b.*8b-4b.*--precision 8b-4b"):
         evaluate(tmp_path / "full", backends=["dense", "8b-4b"], progress=False)
 
+    # a finetuned checkpoint can be the source of another precision: recalibrated through its float function
+    again = finetune(tmp_path / "full", "8b-4b", overrides=[*FT, "train.steps=2", "finetune.scales=fixed"],
+                     progress=False)
+    w = load_file(tmp_path / "full" / "finetune_8b-4b" / "checkpoints" / "step_0000002" / "model.safetensors")
+    assert again["step"] == 2 and again["config"]["finetune"]["source_attention"] == "sparse"
+    assert (w["blocks.1.attn.qkv_scale"] > 0).all() and (w["blocks.1.attn.qkv_scale"] != 1).all()  # calibrated
+
 
 def test_finetune_config_composition(source):
     ckpt = source / "checkpoints" / "step_0000008"

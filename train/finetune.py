@@ -36,7 +36,9 @@ def finetune_section(source: dict, config: str | Path | None) -> dict:
         section = load_config(config).get("finetune")
         where = f"config {config!r}"
     elif "finetune" in source:
-        return copy.deepcopy(source["finetune"])
+        # a finetuned source: its section, less where that run went and came from
+        return {k: v for k, v in copy.deepcopy(source["finetune"]).items()
+                if k not in ("out_dir", "from", "source_attention")}
     elif source.get("name") in config_names():
         section, where = load_config(source["name"]).get("finetune"), f"built-in config {source['name']!r}"
     else:
@@ -63,8 +65,10 @@ def finetune_config(ckpt: Path, precision: str | None = None, config: str | Path
     if granularity not in fakequant.GRANULARITIES:
         raise ValueError(f"finetune.granularity: expected one of {fakequant.GRANULARITIES}, got {granularity!r}")
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
+    # calibration runs the source's float function (that of a finetuned source: its sparse one)
+    attention = cfg["model"].get("attention", "dense")
     ft.update({"precision": precision, "scales": scales, "granularity": granularity, "from": str(ckpt),
-               "source_attention": cfg["model"].get("attention", "dense")})
+               "source_attention": "sparse" if attention in QUANTIZED else attention})
     cfg["train"] = {**cfg.get("train", {}), **(ft.get("train") or {})}
     cfg["model"] = {**cfg["model"], "attention": precision, "quant_precision": precision, "quant_scales": scales,
                     "quant_granularity": granularity}
