@@ -108,7 +108,8 @@ def evaluate(path: str | Path, backends=None, split: str | None = None, batch_si
     return {
         "checkpoint": str(ckpt), "step": state.get("step"), "task": data_cfg["task"], "split": split,
         "trained_with": trained_with, "quant_precision": precision,
-        "quant_scales": model.config.quant_scales if precision else None, "majority_baseline": majority, "sparsity": model.config.sparsity, "v": model.config.v,
+        "quant_scales": model.config.quant_scales if precision else None, "majority_baseline": majority,
+        "sparsity": model.config.sparsity, "v": model.config.v,
         "mask_kind": model.config.mask_kind, "fused": fused, "device": _device_name(accelerator.device),
         "torch": torch.__version__, "python": platform.python_version(), "commit": _commit(), "results": rows,
     }

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from magicube.train.config import apply_overrides, config_names, load_config
-from magicube.train.trainer import batch_indices, latest_checkpoint, lra_lr_lambda, read_trainer_state, train
+from magicube.train.trainer import (batch_indices, latest_checkpoint, lr_lambda, lra_lr_lambda, read_trainer_state,
+                                    train)
 
 TINY_OVERRIDES = [
     "data.generate.num_train=256", "data.generate.num_val=32", "data.generate.num_test=32",
@@ -47,6 +48,11 @@ def test_lra_schedule():
     assert f(49) == pytest.approx(0.5 / 10)
     assert f(99) == pytest.approx(1 / 10)  # peak = lr / sqrt(warmup)
     assert f(399) == pytest.approx(1 / math.sqrt(400))
+    flat = lr_lambda({"schedule": "constant", "warmup": 10})  # finetuning: warm-up, then the base lr
+    assert (flat(0), flat(9), flat(500)) == (pytest.approx(0.1), 1.0, 1.0)
+    assert lr_lambda({"warmup": 100})(99) == f(99)  # lra by default
+    with pytest.raises(ValueError, match="schedule"):
+        lr_lambda({"schedule": "cosine", "warmup": 1})
 
 
 def test_batches_are_a_function_of_the_step():
