@@ -138,7 +138,7 @@ PASS_THROUGH = ("bench", "build")  # their own parsers take the remaining argume
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="magicube", description="Sparse, quantized attention: LRA data, training, "
-                                "evaluation.")
+                                "quantization finetuning, evaluation.")
     sub = p.add_subparsers(dest="command", required=True)
     overrides = {"nargs": "*", "default": [], "metavar": "KEY=VALUE",
                  "help": "config overrides, e.g. train.steps=100 model.attention=dense"}
