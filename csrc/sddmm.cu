@@ -175,6 +175,19 @@ __global__ void __launch_bounds__(kWarps * 32, MODE == kInt16 ? 2 : 4)
   for (int q = 0; q < NB; ++q)
     arow[q] = a + (bh * m + static_cast<int64_t>(vrow[q]) * v + (a_valid ? g : 0)) * row_bytes;
   const int arow_bytes = a_valid ? row_bytes : 0;
+  // The lane's two output rows' scales, fetched beside A rather than after
+  // the MMAs, where their latency would stall the epilogue.
+  float sa[NB][2];
+#pragma unroll
+  for (int q = 0; q < NB; ++q) {
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+      sa[q][jj] = 0.f;
+      if constexpr (kScaled) {
+        if (2 * t + jj < v) sa[q][jj] = __ldg(scale_a + bh * m + static_cast<int64_t>(vrow[q]) * v + 2 * t + jj);
+      }
+    }
+  }
 
   Acc<MODE> acc[NB][NT];
 #pragma unroll
@@ -240,14 +253,11 @@ __global__ void __launch_bounds__(kWarps * 32, MODE == kInt16 ? 2 : 4)
   for (int q = 0; q < NB; ++q) {
     if (blk0 + q >= num_blocks) break;
     const int64_t p0 = static_cast<int64_t>(blk0 + q) * S;
-    const int64_t arow0 = bh * m + static_cast<int64_t>(vrow[q]) * v;
     if (q > 0) __syncwarp();
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int r = 2 * t + (j & 1);
       if (r >= v) continue;
-      float sa = 0.f;
-      if constexpr (kScaled) sa = __ldg(scale_a + arow0 + r);
 #pragma unroll
       for (int h = 0; h < NT; ++h) {
         const int e = j >> 1;
@@ -264,7 +274,10 @@ __global__ void __launch_bounds__(kWarps * 32, MODE == kInt16 ? 2 : 4)
             if constexpr (std::is_same<OutT, int64_t>::value) {
               val = qv;
             } else {
-              val = __float2half_rn(__ll2float_rn(qv) * (sa * sb[q][h][e]));
+              // An int32 accumulator rounds to fp32 the same through the cheaper
+              // 32-bit conversion.
+              const float acc_f = MODE == kInt16 ? __ll2float_rn(qv) : __int2float_rn(acc[q][h].d[j]);
+              val = __float2half_rn(acc_f * (sa[q][j & 1] * sb[q][h][e]));
             }
           }
         }

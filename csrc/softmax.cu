@@ -6,8 +6,9 @@
 // load; the 32 lanes cover 32 / (4 V) ... 1 block(s) per step (lane bits 0-1:
 // the 8-slot group, next log2 V bits: the row, the rest: the block). A row of
 // up to kCached steps stays in shared memory, so the values are read once;
-// longer rows are streamed three times (max, sum, store), the re-reads mostly
-// from L2.
+// longer rows are streamed once per pass, the re-reads mostly from L2. The
+// quantized outputs need two passes (max; then exp, sum and store, since
+// q = round(e * qmax) does not depend on the sum), fp16 three (max, sum, store).
 //
 // The kept mask comes from the row's count; only the 8-slot group holding the
 // end of the row can mix kept and padding slots (the int4 column shuffle
@@ -151,53 +152,62 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   if (cached) load_chunk(0);
 
-  float ymax = -INFINITY;
+  // max(value * c) is value_max * c exactly (rounding is monotone), so the max
+  // is taken on the packed halves; a negative scale takes it on -value.
+  const uint32_t flip = c < 0.f ? 0x80008000u : 0u;
+  __half2 hmax = __halves2half2(__ushort_as_half(0xFC00u), __ushort_as_half(0xFC00u));
   for (int c0 = 0; c0 < steps; c0 += kCached) {
     if (!cached) load_chunk(c0);
 #pragma unroll 2
     for (int u = 0; u < kCached && c0 + u < steps; ++u) {
       const uint32_t msk = kept_mask(c0 + u);
+      if (msk == 0u) continue;
+      const uint4 qd = mine[u][lane];
+      const uint32_t words[4] = {qd.x, qd.y, qd.z, qd.w};
 #pragma unroll
-      for (int e = 0; e < 8; ++e) ymax = fmaxf(ymax, (msk >> e & 1u) ? slot_y(u, e) : -INFINITY);
+      for (int q = 0; q < 4; ++q) {
+        uint32_t w = words[q] ^ flip;
+        if (msk != 0xFFu) {
+          if (!(msk >> (2 * q) & 1u)) w = (w & 0xFFFF0000u) | 0xFC00u;
+          if (!(msk >> (2 * q + 1) & 1u)) w = (w & 0xFFFFu) | 0xFC000000u;
+        }
+        hmax = __hmax2(hmax, *reinterpret_cast<const __half2*>(&w));
+      }
     }
   }
-  ymax = row_reduce<V>(ymax, [](float x, float y) { return fmaxf(x, y); });
-
-  float sum = 0.f;
-  for (int c0 = 0; c0 < steps; c0 += kCached) {
-    if (!cached) load_chunk(c0);
-#pragma unroll 2
-    for (int u = 0; u < kCached && c0 + u < steps; ++u) {
-      const uint32_t msk = kept_mask(c0 + u);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) sum += (msk >> e & 1u) ? ex2(slot_y(u, e) - ymax) : 0.f;
-    }
-  }
-  sum = row_reduce<V>(sum, [](float x, float y) { return x + y; });
+  float xmax = fmaxf(__low2float(hmax), __high2float(hmax));
+  xmax = row_reduce<V>(xmax, [](float x, float y) { return fmaxf(x, y); });
+  const float ymax = (flip ? -xmax : xmax) * c;
 
   constexpr float kQmax = Store<OUT_BITS>::kQmax;
   const int64_t out_row = bh * static_cast<int64_t>(num_vrows) * V + static_cast<int64_t>(vrow) * V + r;
-  if (grp == 0 && bo == 0) {
-    // fp16 probabilities carry no scale (ones, empty rows included); a quantized
-    // empty row gets 0, never 1 / 0.
-    float rs = 1.f;
-    if constexpr (OUT_BITS != 0) rs = count == 0 ? 0.f : 1.f / (sum * kQmax);
-    row_scale[out_row] = rs;
-  }
-
-  const float inv_sum = 1.f / sum;
-  for (int c0 = 0; c0 < steps; c0 += kCached) {
-    if (!cached) load_chunk(c0);
-#pragma unroll 2
-    for (int u = 0; u < kCached && c0 + u < steps; ++u) {
-      const int64_t o = elem_offset(c0 + u);
-      if (o < 0) continue;
-      const uint32_t msk = kept_mask(c0 + u);
-      float ev[8];
+  auto exps = [&](int u, uint32_t msk, float (&ev)[8]) {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) ev[e] = (msk >> e & 1u) ? ex2(slot_y(u, e) - ymax) : 0.f;
-      const int64_t dst = bh * nnz_pad * V + o;
-      if constexpr (OUT_BITS == 0) {
+    for (int e = 0; e < 8; ++e) ev[e] = (msk >> e & 1u) ? ex2(slot_y(u, e) - ymax) : 0.f;
+  };
+
+  float sum = 0.f;
+  if constexpr (OUT_BITS == 0) {
+    for (int c0 = 0; c0 < steps; c0 += kCached) {
+      if (!cached) load_chunk(c0);
+#pragma unroll 2
+      for (int u = 0; u < kCached && c0 + u < steps; ++u) {
+        float ev[8];
+        exps(u, kept_mask(c0 + u), ev);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sum += ev[e];
+      }
+    }
+    sum = row_reduce<V>(sum, [](float x, float y) { return x + y; });
+    const float inv_sum = 1.f / sum;
+    for (int c0 = 0; c0 < steps; c0 += kCached) {
+      if (!cached) load_chunk(c0);
+#pragma unroll 2
+      for (int u = 0; u < kCached && c0 + u < steps; ++u) {
+        const int64_t o = elem_offset(c0 + u);
+        if (o < 0) continue;
+        float ev[8];
+        exps(u, kept_mask(c0 + u), ev);
         uint32_t pw[4];
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -205,11 +215,26 @@ __global__ void __launch_bounds__(kWarps * 32)
           const unsigned short hi = __half_as_ushort(__float2half_rn(ev[2 * q + 1] * inv_sum));
           pw[q] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
         }
-        *reinterpret_cast<uint4*>(probs + dst * 2) = make_uint4(pw[0], pw[1], pw[2], pw[3]);
-      } else {
+        *reinterpret_cast<uint4*>(probs + (bh * nnz_pad * V + o) * 2) = make_uint4(pw[0], pw[1], pw[2], pw[3]);
+      }
+    }
+  } else {
+    // q = round(e * qmax) needs no sum: one pass computes e once for both.
+    for (int c0 = 0; c0 < steps; c0 += kCached) {
+      if (!cached) load_chunk(c0);
+#pragma unroll 2
+      for (int u = 0; u < kCached && c0 + u < steps; ++u) {
+        const int64_t o = elem_offset(c0 + u);
+        if (o < 0) continue;
+        float ev[8];
+        exps(u, kept_mask(c0 + u), ev);
         uint32_t qv[8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) qv[e] = __float2uint_rn(ev[e] * kQmax);
+        for (int e = 0; e < 8; ++e) {
+          sum += ev[e];
+          qv[e] = __float2uint_rn(ev[e] * kQmax);
+        }
+        const int64_t dst = bh * nnz_pad * V + o;
         if constexpr (OUT_BITS == 16) {
           *reinterpret_cast<uint4*>(probs + dst * 2) =
               make_uint4(qv[0] | qv[1] << 16, qv[2] | qv[3] << 16, qv[4] | qv[5] << 16, qv[6] | qv[7] << 16);
@@ -225,6 +250,15 @@ __global__ void __launch_bounds__(kWarps * 32)
         }
       }
     }
+    sum = row_reduce<V>(sum, [](float x, float y) { return x + y; });
+  }
+
+  if (grp == 0 && bo == 0) {
+    // fp16 probabilities carry no scale (ones, empty rows included); a quantized
+    // empty row gets 0, never 1 / 0.
+    float rs = 1.f;
+    if constexpr (OUT_BITS != 0) rs = count == 0 ? 0.f : 1.f / (sum * kQmax);
+    row_scale[out_row] = rs;
   }
 }
 

@@ -19,8 +19,10 @@ def main() -> int:
     ops, ref = torch.ops.magicube_cuda, torch.ops.magicube
     bad = 0
     g = torch.Generator().manual_seed(0)
-    for v in (2, 8):
-        mask = random_vector_mask(5 * v, 130, v, 0.7, seed=v).mask.clone()
+    # N = 1000: rows of several stride blocks; K = 128 two k chunks, K = 300 rows with
+    # 4-byte units (int8, int16, fp16) and 2-byte units (int4, 150 bytes).
+    for v, n, ks in ((2, 130, (64, 38)), (8, 130, (64, 38)), (8, 1000, (128,)), (4, 1000, (300,))):
+        mask = random_vector_mask(5 * v, n, v, 0.7, seed=v).mask.clone()
         mask[0] = False
         mask[2] = True
         p = SRBCRS.from_mask(VectorMask(mask, v), stride=32, shuffle=v == 8)
@@ -29,17 +31,17 @@ def main() -> int:
         didx = (cuda.row_ptr, cuda.col_idx, cuda.row_order)
         bh = 2
         # K = 64: 16-byte loads; K = 38: the 2- and 1-byte tail paths.
-        for k in (64, 38):
+        for k in ks:
             for bits in (16, 8, 4, 0):
                 if bits == 0:
                     a = torch.randn(bh, p.m, k, generator=g).half()
-                    b = torch.randn(bh, 130, k, generator=g).half()
+                    b = torch.randn(bh, n, k, generator=g).half()
                     args = (a, b, None, None, v, 16, torch.float16)
                 else:
                     lo, hi = -(1 << (bits - 1)), 1 << (bits - 1)
                     a = to_container(torch.randint(lo, hi, (bh, p.m, k), generator=g), bits)
-                    b = to_container(torch.randint(lo, hi, (bh, 130, k), generator=g), bits)
-                    args = (a, b, torch.rand(bh, p.m, generator=g), torch.rand(bh, 130, generator=g), v, bits,
+                    b = to_container(torch.randint(lo, hi, (bh, n, k), generator=g), bits)
+                    args = (a, b, torch.rand(bh, p.m, generator=g), torch.rand(bh, n, generator=g), v, bits,
                             torch.float16)
                 dev = [x.cuda() if isinstance(x, torch.Tensor) else x for x in args]
                 got = ops.sddmm(*didx, *dev).cpu()

@@ -21,8 +21,10 @@ pytestmark = [pytest.mark.gpu,
 
 # (BH, M/V, K, N): K = 40 / 72 leave a partial 64-wide k chunk and 8-byte aligned rows,
 # K = 33 (odd) byte-aligned rows, N is never a multiple of 32; every pattern has an empty
-# vector row and a full one (conftest.awkward_mask).
-SHAPES = [(1, 7, 64, 100), (3, 5, 40, 272), (1, 1, 72, 2), (3, 9, 128, 700), (2, 4, 33, 45), (1, 3, 32, 2200)]
+# vector row and a full one (conftest.awkward_mask); K = 300 gives rows of several k chunks
+# loaded in 4-byte units (2-byte in int4).
+SHAPES = [(1, 7, 64, 100), (3, 5, 40, 272), (1, 1, 72, 2), (3, 9, 128, 700), (2, 4, 33, 45), (1, 3, 32, 2200),
+          (2, 5, 300, 90)]
 
 
 @pytest.fixture(scope="module")

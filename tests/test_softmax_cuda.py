@@ -91,6 +91,22 @@ def test_matches_reference(kernels, out_bits, v):
         assert (near_tie | (diff == 0)).all(), f"shape {(bh, rows, n)}: off-by-one away from a tie"
 
 
+@pytest.mark.parametrize("out_bits", [0, 8])
+def test_negative_scale(kernels, out_bits):
+    """The row max is taken on the fp16 values, on their negation when the scale is negative."""
+    for i, (bh, rows, n) in enumerate(SHAPES[:4]):
+        g = torch.Generator().manual_seed(50 + i)
+        p, _ = problem(bh, rows, n, 4, 0.6, seed=i, shuffle=bool(i % 2))
+        values, col = _values(p, bh, g)
+        got, rs, want, want_rs = _run(kernels, p, values, -0.3, out_bits)
+        torch.testing.assert_close(rs, want_rs, rtol=1e-5, atol=0)
+        if out_bits == 0:
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=1e-7)
+        else:
+            q, wq = from_container(got, out_bits, False), from_container(want, out_bits, False)
+            assert (q - wq).abs().max() <= 1 and (q[:, col < 0] == 0).all()
+
+
 @pytest.mark.parametrize("out_bits", [0, 8, 4])
 def test_empty_rows(kernels, out_bits):
     v, n = 4, 70
