@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "attention_kernel.cuh"
+#include "check.cuh"
 
 namespace {
 
@@ -22,9 +23,9 @@ using magicube::attention_detail::kThreads;
 using magicube::attention_detail::kWarps;
 
 void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device) {
-  TORCH_CHECK(t.is_cuda(), "sparse_attention: ", name, " must be a CUDA tensor, got one on ", t.device());
-  TORCH_CHECK(t.device() == device, "sparse_attention: ", name, " is on ", t.device(), " but query is on ", device);
-  TORCH_CHECK(t.is_contiguous(), "sparse_attention: ", name, " must be contiguous");
+  MAGICUBE_CHECK(t.is_cuda(), "sparse_attention: ", name, " must be a CUDA tensor, got one on ", t.device());
+  MAGICUBE_CHECK(t.device() == device, "sparse_attention: ", name, " is on ", t.device(), " but query is on ", device);
+  MAGICUBE_CHECK(t.is_contiguous(), "sparse_attention: ", name, " must be contiguous");
 }
 
 // A fresh allocation is 256-byte aligned; a view with an odd storage offset is copied once so the
@@ -38,15 +39,19 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
   using C = Cfg<OP, PB, D, DV>;
   auto kernel = magicube::attention_detail::attention_kernel<OP, PB, D, DV>;
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  const int max_smem = static_cast<int>(prop->sharedMemPerBlockOptin);
   // Once per device and instantiation, so that a launch inside a graph capture makes no other call.
-  static bool configured[256] = {};
+  // The opt-in limit covers static and dynamic shared memory together.
+  static int dynamic_limit[256] = {};
   const int device = c10::cuda::current_device();
-  TORCH_CHECK(device < 256, "sparse_attention: device index ", device, " out of range");
-  if (!configured[device]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem));
-    configured[device] = true;
+  MAGICUBE_CHECK(device < 256, "sparse_attention: device index ", device, " out of range");
+  if (dynamic_limit[device] == 0) {
+    cudaFuncAttributes attributes;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+    const int limit = static_cast<int>(prop->sharedMemPerBlockOptin - attributes.sharedSizeBytes);
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
+    dynamic_limit[device] = limit;
   }
+  const int max_smem = dynamic_limit[device];
   // Score cache: the blocks a warp gets from a row of mean length (every row, for the balanced
   // masks of the paper). Longer rows recompute their last blocks' scores; a larger cache would
   // cost occupancy (at L = 4096, sparsity 0.9: 4 blocks per warp, 5 CTAs per SM; with 5, 4).
@@ -54,7 +59,7 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
   int64_t cached = (mean_blocks + kWarps - 1) / kWarps;
   const int64_t fit = (max_smem - C::kStageSmem) / C::kCacheBlockBytes;
   cached = std::max<int64_t>(1, std::min<int64_t>(cached, fit));
-  TORCH_CHECK(C::smem_bytes(static_cast<int>(cached)) <= max_smem, "sparse_attention: needs ",
+  MAGICUBE_CHECK(C::smem_bytes(static_cast<int>(cached)) <= max_smem, "sparse_attention: needs ",
               C::smem_bytes(static_cast<int>(cached)), " bytes of shared memory per block, the device has ", max_smem);
   p.cached = static_cast<int>(cached);
   const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(bh));
@@ -86,42 +91,42 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
   check_cuda_tensor(row_ptr, "row_ptr", device);
   check_cuda_tensor(col_idx, "col_idx", device);
   check_cuda_tensor(row_order, "row_order", device);
-  TORCH_CHECK(v == 2 || v == 4 || v == 8, "sparse_attention: v must be 2, 4 or 8, got ", v);
-  TORCH_CHECK(row_ptr.scalar_type() == at::kInt && col_idx.scalar_type() == at::kInt &&
+  MAGICUBE_CHECK(v == 2 || v == 4 || v == 8, "sparse_attention: v must be 2, 4 or 8, got ", v);
+  MAGICUBE_CHECK(row_ptr.scalar_type() == at::kInt && col_idx.scalar_type() == at::kInt &&
                   row_order.scalar_type() == at::kInt,
               "sparse_attention: row_ptr, col_idx and row_order must be int32");
-  TORCH_CHECK(row_ptr.dim() == 1 && col_idx.dim() == 1 && row_order.dim() == 1,
+  MAGICUBE_CHECK(row_ptr.dim() == 1 && col_idx.dim() == 1 && row_order.dim() == 1,
               "sparse_attention: row_ptr, col_idx and row_order must be 1-D");
-  TORCH_CHECK(row_ptr.numel() % 2 == 0, "sparse_attention: row_ptr must hold 2*(M/V) entries, got ",
+  MAGICUBE_CHECK(row_ptr.numel() % 2 == 0, "sparse_attention: row_ptr must hold 2*(M/V) entries, got ",
               row_ptr.numel());
   const int64_t vrows = row_ptr.numel() / 2;
-  TORCH_CHECK(row_order.numel() == vrows, "sparse_attention: row_order must hold M/V = ", vrows, " entries, got ",
+  MAGICUBE_CHECK(row_order.numel() == vrows, "sparse_attention: row_order must hold M/V = ", vrows, " entries, got ",
               row_order.numel());
-  TORCH_CHECK(col_idx.numel() % 32 == 0, "sparse_attention: col_idx length ", col_idx.numel(),
+  MAGICUBE_CHECK(col_idx.numel() % 32 == 0, "sparse_attention: col_idx length ", col_idx.numel(),
               " is not a multiple of the stride 32");
-  TORCH_CHECK(query_in.dim() == 3 && key_in.dim() == 3 && value_in.dim() == 3,
+  MAGICUBE_CHECK(query_in.dim() == 3 && key_in.dim() == 3 && value_in.dim() == 3,
               "sparse_attention: query, key and value must be 3-D [BH, rows, d]");
 
   const bool fp16 = query_in.scalar_type() == at::kHalf;
   int op;
   if (fp16) {
-    TORCH_CHECK(key_in.scalar_type() == at::kHalf && value_in.scalar_type() == at::kHalf,
+    MAGICUBE_CHECK(key_in.scalar_type() == at::kHalf && value_in.scalar_type() == at::kHalf,
                 "sparse_attention: float16 query needs float16 key and value, got ", key_in.scalar_type(), " and ",
                 value_in.scalar_type());
-    TORCH_CHECK(qk_bits == 16 && p_bits == 0,
+    MAGICUBE_CHECK(qk_bits == 16 && p_bits == 0,
                 "sparse_attention: float16 inputs take qk_bits=16 and p_bits=0 (fp16 probabilities), got qk_bits=",
                 qk_bits, ", p_bits=", p_bits);
-    TORCH_CHECK(!scale_q.has_value() && !scale_k.has_value() && !scale_v.has_value(),
+    MAGICUBE_CHECK(!scale_q.has_value() && !scale_k.has_value() && !scale_v.has_value(),
                 "sparse_attention: float16 inputs take no scale_q/scale_k/scale_v");
     op = kHalf;
   } else {
     const bool pair_ok = (qk_bits == 8 && (p_bits == 8 || p_bits == 16)) ||
                          (qk_bits == 4 && (p_bits == 4 || p_bits == 8 || p_bits == 16)) ||
                          (qk_bits == 16 && p_bits == 16);
-    TORCH_CHECK(pair_ok, "sparse_attention: (p_bits, qk_bits) must be one of (8, 8), (16, 8), (4, 4), (8, 4), "
+    MAGICUBE_CHECK(pair_ok, "sparse_attention: (p_bits, qk_bits) must be one of (8, 8), (16, 8), (4, 4), (8, 4), "
                 "(16, 4), (16, 16), got (", p_bits, ", ", qk_bits, ")");
     const at::ScalarType want = qk_bits == 16 ? at::kShort : qk_bits == 8 ? at::kChar : at::kByte;
-    TORCH_CHECK(query_in.scalar_type() == want && key_in.scalar_type() == want && value_in.scalar_type() == want,
+    MAGICUBE_CHECK(query_in.scalar_type() == want && key_in.scalar_type() == want && value_in.scalar_type() == want,
                 "sparse_attention: qk_bits=", qk_bits, " needs ", want, " query, key and value, got ",
                 query_in.scalar_type(), ", ", key_in.scalar_type(), ", ", value_in.scalar_type());
     op = qk_bits == 16 ? kInt16 : qk_bits == 8 ? kInt8 : kInt4;
@@ -130,33 +135,33 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
   const int64_t bh = query_in.size(0), m = query_in.size(1), n = key_in.size(1);
   const int64_t per_byte = op == kInt4 ? 2 : 1;
   const int64_t d = query_in.size(2) * per_byte, dv = value_in.size(2) * per_byte;
-  TORCH_CHECK(m == vrows * v, "sparse_attention: query has ", m, " rows, the pattern M = (M/V)*V = ", vrows * v);
-  TORCH_CHECK(key_in.size(0) == bh && value_in.size(0) == bh, "sparse_attention: key and value must have BH = ", bh,
+  MAGICUBE_CHECK(m == vrows * v, "sparse_attention: query has ", m, " rows, the pattern M = (M/V)*V = ", vrows * v);
+  MAGICUBE_CHECK(key_in.size(0) == bh && value_in.size(0) == bh, "sparse_attention: key and value must have BH = ", bh,
               " like query, got ", key_in.size(0), " and ", value_in.size(0));
-  TORCH_CHECK(key_in.size(2) == query_in.size(2), "sparse_attention: key's last dim (", key_in.size(2),
+  MAGICUBE_CHECK(key_in.size(2) == query_in.size(2), "sparse_attention: key's last dim (", key_in.size(2),
               ") must match query's (", query_in.size(2), ")");
-  TORCH_CHECK(value_in.size(1) == n, "sparse_attention: value must have N = ", n, " rows like key, got ",
+  MAGICUBE_CHECK(value_in.size(1) == n, "sparse_attention: value must have N = ", n, " rows like key, got ",
               value_in.size(1));
-  TORCH_CHECK(d == 32 || d == 64 || d == 128, "sparse_attention: head dim d of query/key must be 32, 64 or 128, got ",
+  MAGICUBE_CHECK(d == 32 || d == 64 || d == 128, "sparse_attention: head dim d of query/key must be 32, 64 or 128, got ",
               d);
-  TORCH_CHECK(dv == d, "sparse_attention: head dim dv of value (", dv, ") must equal the head dim d of query/key (",
+  MAGICUBE_CHECK(dv == d, "sparse_attention: head dim dv of value (", dv, ") must equal the head dim d of query/key (",
               d, ")");
-  TORCH_CHECK(bh <= 65535 && vrows <= INT32_MAX && n < INT32_MAX && m < INT32_MAX,
+  MAGICUBE_CHECK(bh <= 65535 && vrows <= INT32_MAX && n < INT32_MAX && m < INT32_MAX,
               "sparse_attention: BH must be <= 65535 and M, N < 2^31");
   if (op != kHalf) {
     // int32 accumulators: a warp sums at most ceil(ceil(N/32)/4) blocks of 32 slots; the largest
     // per-slot term over all accumulators of a precision pair bounds N.
     const int64_t term = (qk_bits == 16) ? 255 * 255 + 255 * 128 : 255 * 128;
     const int64_t slots = ((n + 31) / 32 + kWarps - 1) / kWarps * 32;
-    TORCH_CHECK(slots * term < (int64_t(1) << 31), "sparse_attention: N = ", n,
+    MAGICUBE_CHECK(slots * term < (int64_t(1) << 31), "sparse_attention: N = ", n,
                 " keys exceed the exact int32 accumulation of this precision pair");
     for (const auto* s : {&scale_q, &scale_k, &scale_v})
-      TORCH_CHECK(s->has_value(), "sparse_attention: integer inputs need scale_q, scale_k and scale_v");
+      MAGICUBE_CHECK(s->has_value(), "sparse_attention: integer inputs need scale_q, scale_k and scale_v");
     const std::pair<const at::Tensor*, std::pair<const char*, int64_t>> scales[] = {
         {&*scale_q, {"scale_q", m}}, {&*scale_k, {"scale_k", n}}, {&*scale_v, {"scale_v", dv}}};
     for (const auto& [t, info] : scales) {
       check_cuda_tensor(*t, info.first, device);
-      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == bh && t->size(1) == info.second,
+      MAGICUBE_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == bh && t->size(1) == info.second,
                   "sparse_attention: ", info.first, " must be a float32 [BH, ", info.second, "] = [", bh, ", ",
                   info.second, "] tensor");
     }

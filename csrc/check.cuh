@@ -9,6 +9,7 @@
 #include <string>
 #include <type_traits>
 
+#include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
@@ -22,6 +23,8 @@ std::string message_piece(const T& x) {
     return std::to_string(x);
   } else if constexpr (std::is_same_v<T, c10::ScalarType>) {
     return c10::toString(x);
+  } else if constexpr (std::is_same_v<T, c10::Device>) {
+    return x.str();
   } else {
     return std::string(x);
   }
