@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from magicube.eval.timing import cuda_time, environment, save_json
-from magicube.ops import SRBCRS, absmax_scale, extension, pack_int4, quantize, random_vector_mask
+from magicube.ops import SRBCRS, absmax_scale, extension, quantize_to_container, random_vector_mask
 
 FULL = dict(b=[2, 8], h=[4, 8], seq=[4096, 8192], sparsity=[0.9, 0.95])
 QUICK = dict(b=[8], h=[4], seq=[4096], sparsity=[0.9, 0.95])
@@ -52,12 +52,7 @@ def quantize_qkv(q, k, v, bits):
     out = []
     for x, dim in ((q, -1), (k, -1), (v, 1)):
         s = absmax_scale(x, bits, dim=dim)
-        qi = quantize(x, s, bits)
-        if bits == 4:
-            c = pack_int4(qi)
-        else:
-            c = qi.to(torch.int8 if bits == 8 else torch.int16)
-        out += [c, s.squeeze(dim).contiguous()]
+        out += [quantize_to_container(x, s, bits), s.squeeze(dim).contiguous()]
     return out[0], out[2], out[4], out[1], out[3], out[5]
 
 

@@ -20,18 +20,23 @@ import torch
 from magicube.eval.timing import cpu_time, cuda_time, environment, save_json
 from magicube.model.lra import LRAClassifier, LRAConfig
 
-BACKENDS = ("materialized", "dense", "sparse", "16b-8b", "8b-8b", "8b-4b")
+SPARSE = ("sparse", "16b-8b", "8b-8b", "8b-4b")
+# "<backend>" runs the paper's three kernels (sddmm, softmax, spmm); "<backend>-fused" the one
+# fused attention kernel, which computes the same function.
+BACKENDS = ("materialized", "dense", *SPARSE, *(f"{b}-fused" for b in SPARSE))
 DENSE = ("materialized", "dense")
 # Largest relative error of one attention layer against its fp32 reference that a backend may
 # show and still be timed: fp16 rounding, and the quantization error of its precision (4-bit
 # Q/K/V with per-head absmax scales loses most).
 TOLERANCE = {"materialized": 1e-2, "dense": 1e-2, "sparse": 1e-2, "16b-8b": 5e-2, "8b-8b": 5e-2, "8b-4b": 0.35}
+TOLERANCE.update({f"{b}-fused": TOLERANCE[b] for b in SPARSE})
 
 
 def build(backend: str, length: int, heads: int, sparsity: float, v: int, device, dtype) -> LRAClassifier:
     """The paper's LRA model (4 layers, head dim 64, MLP 1024) with one backend, in eval mode."""
     config = LRAConfig(max_len=length, emb_dim=64 * heads, num_heads=heads, num_layers=4, mlp_dim=1024,
-                       attention=backend, sparsity=sparsity, v=v, dropout=0.0, attention_dropout=0.0)
+                       attention=backend.removesuffix("-fused"), fused=backend.endswith("-fused"),
+                       sparsity=sparsity, v=v, dropout=0.0, attention_dropout=0.0)
     torch.manual_seed(0)  # same weights and masks for every backend
     return LRAClassifier(config).to(device=device, dtype=dtype).eval()
 

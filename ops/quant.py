@@ -52,17 +52,23 @@ def absmax_scale(x: torch.Tensor, bits: int, signed: bool = True, dim=None) -> t
     saturates. An all-zero slice gets scale 1 so that dividing by it is harmless.
     """
     _, qmax = qrange(bits, signed)
-    a = x.detach().abs().float()
-    amax = a.amax() if dim is None else a.amax(dim=dim, keepdim=True)
+    a = x.detach().abs()  # abs and max are exact in any float dtype: reduce before widening
+    amax = (a.amax() if dim is None else a.amax(dim=dim, keepdim=True)).float()
     return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
 
 
 def quantize(x: torch.Tensor, scale, bits: int, signed: bool = True) -> torch.Tensor:
     """Round to nearest even and saturate; returns the integer values in int32 (not packed)."""
+    return _rounded(x, scale, bits, signed).to(torch.int32)
+
+
+def _rounded(x: torch.Tensor, scale, bits: int, signed: bool) -> torch.Tensor:
+    """round_half_even(x / scale) saturated, as fp32 integers, with no host sync."""
     qmin, qmax = qrange(bits, signed)
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    q = torch.round(x.float() / scale)  # torch.round rounds half to even
-    return q.clamp(qmin, qmax).to(torch.int32)
+    # fp16 / fp32 promotes to fp32 exactly as x.float() / scale would, without the extra pass
+    q = torch.div(x if x.dtype in (torch.float16, torch.bfloat16, torch.float32) else x.float(), scale)
+    return q.round_().clamp_(qmin, qmax)  # torch.round rounds half to even
 
 
 def to_container(q: torch.Tensor, bits: int, signed: bool = True) -> torch.Tensor:
@@ -87,7 +93,13 @@ def from_container(c: torch.Tensor, bits: int, signed: bool = True) -> torch.Ten
 
 
 def quantize_to_container(x: torch.Tensor, scale, bits: int, signed: bool = True) -> torch.Tensor:
-    return to_container(quantize(x, scale, bits, signed), bits, signed)
+    """quantize() straight into the kernels' container; saturated by construction, so unchecked."""
+    q = _rounded(x, scale, bits, signed)
+    if bits == 4:
+        return pack_int4(q)
+    if bits == 16 and not signed:
+        q = torch.where(q > 0x7FFF, q - 0x10000, q)
+    return q.to(container_dtype(bits, signed))
 
 
 def dequantize(q: torch.Tensor, scale) -> torch.Tensor:
@@ -98,7 +110,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """4-bit values (signed or unsigned, any int dtype) -> uint8, two per byte, low nibble first."""
     if q.shape[-1] % 2:
         raise ValueError(f"q: int4 packing needs an even last dimension, got shape {tuple(q.shape)}")
-    n = q.to(torch.int32) & 0xF
+    n = q.to(torch.int16) & 0xF  # via a signed int: a negative float cast to uint8 is undefined
     return (n[..., 0::2] | (n[..., 1::2] << 4)).to(torch.uint8)
 
 
