@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 from accelerate import Accelerator
 from transformers.utils import logging as hf_logging
 
+from magicube.eval.timing import git_commit
 from magicube.model.lra import QUANTIZED, LRAClassifier
 from magicube.train import data as data_mod
 from magicube.train.config import load_config
@@ -49,14 +49,6 @@ def check_precision(ckpt, precision: str | None, backends) -> None:
                          f"serve backend(s) {', '.join(wrong)}. Evaluate it with --backends {precision} "
                          f"{precision}-fake (or dense / sparse), or finetune the source checkpoint for those "
                          f"bits: magicube finetune --from SOURCE --precision {BACKENDS[wrong[0]][0]}")
-
-
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def evaluate(path: str | Path, backends=None, split: str | None = None, batch_size: int | None = None,
@@ -111,7 +103,7 @@ def evaluate(path: str | Path, backends=None, split: str | None = None, batch_si
         "quant_scales": model.config.quant_scales if precision else None, "majority_baseline": majority,
         "sparsity": model.config.sparsity, "v": model.config.v,
         "mask_kind": model.config.mask_kind, "fused": fused, "device": _device_name(accelerator.device),
-        "torch": torch.__version__, "python": platform.python_version(), "commit": _commit(), "results": rows,
+        "torch": torch.__version__, "python": platform.python_version(), "commit": git_commit(), "results": rows,
     }
 
 

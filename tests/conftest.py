@@ -28,6 +28,21 @@ def problem(bh, rows, k, v, sparsity, seed, shuffle=False):
     return SRBCRS.from_mask(mask, stride=32, shuffle=shuffle), mask.to_dense()
 
 
+def load_kernels(family: str):
+    """Build and load one kernel family; its ops are then under torch.ops.magicube_cuda."""
+    from magicube.ops import extension
+
+    extension.load(family)
+    return torch.ops.magicube_cuda
+
+
+def poison_allocator(value, dtype) -> None:
+    """Leave a freed block of garbage for the caching allocator to hand out next, so that an
+    output element a kernel fails to write shows up as that garbage."""
+    junk = torch.full((1 << 22,), value, dtype=dtype, device="cuda")
+    del junk
+
+
 def imdb_source():
     """The IMDB archive for the data tests: $MAGICUBE_IMDB, ./data, or the copy beside the checkout."""
     from pathlib import Path
@@ -44,4 +59,4 @@ def imdb_source():
     return None
 
 
-__all__ = ["imdb_source", "SRBCRS", "awkward_mask", "random_ints", "to_container", "problem"]
+__all__ = ["imdb_source", "load_kernels", "poison_allocator", "SRBCRS", "awkward_mask", "random_ints", "to_container", "problem"]

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from conftest import problem
+from conftest import load_kernels, poison_allocator, problem
 from magicube.ops import SRBCRS, VectorMask, absmax_scale, from_container, quantize, to_container
 
 pytestmark = [pytest.mark.gpu,
@@ -32,16 +32,7 @@ SHAPES = [(1, 7, 333, 0.6), (3, 5, 97, 0.7), (1, 1, 40, 0.8), (2, 4, 1500, 0.9)]
 
 @pytest.fixture(scope="module")
 def kernels():
-    from magicube.ops import extension
-
-    extension.load("attention")
-    return torch.ops.magicube_cuda
-
-
-def _poison():
-    """Leave a freed block of garbage for the caching allocator to hand out next."""
-    junk = torch.full((1 << 22,), float("nan"), dtype=torch.float16, device="cuda")
-    del junk
+    return load_kernels("attention")
 
 
 def _quantized(x, bits, dim):
@@ -66,7 +57,7 @@ def make_inputs(bh, m, n, d, p_bits, qk_bits, g, spread=1.0):
 def run_both(kernels, p, inputs, v, softmax_scale, qk_bits, p_bits):
     cuda = p.to("cuda")
     dev = [x.cuda() if x is not None else None for x in inputs]
-    _poison()
+    poison_allocator(float("nan"), torch.float16)
     got = kernels.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev, v, softmax_scale, qk_bits,
                                    p_bits)
     torch.cuda.synchronize()

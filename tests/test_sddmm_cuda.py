@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import problem, random_ints
+from conftest import load_kernels, poison_allocator, problem, random_ints
 from magicube.ops import SRBCRS, VectorMask, qrange, to_container
 from magicube.ops.format import value_coordinates
 
@@ -29,22 +29,13 @@ SHAPES = [(1, 7, 64, 100), (3, 5, 40, 272), (1, 1, 72, 2), (3, 9, 128, 700), (2,
 
 @pytest.fixture(scope="module")
 def kernels():
-    from magicube.ops import extension
-
-    extension.load("sddmm")
-    return torch.ops.magicube_cuda
-
-
-def _poison():
-    """Leave a freed block of garbage for the caching allocator to hand out next."""
-    junk = torch.full((1 << 22,), -0x5A5A5A5A5A5A5A5A, dtype=torch.int64, device="cuda")
-    del junk
+    return load_kernels("sddmm")
 
 
 def _run(kernels, p, a, b, sa, sb, v, bits, out_dtype):
     cuda = p.to("cuda")
     dev = [x.cuda() if x is not None else None for x in (a, b, sa, sb)]
-    _poison()
+    poison_allocator(-0x5A5A5A5A5A5A5A5A, torch.int64)
     got = kernels.sddmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev, v, bits, out_dtype)
     torch.cuda.synchronize()
     want = torch.ops.magicube.sddmm(p.row_ptr, p.col_idx, p.row_order, a, b, sa, sb, v, bits, out_dtype)

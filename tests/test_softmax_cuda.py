@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import problem
+from conftest import load_kernels, problem
 from magicube.ops import SRBCRS, VectorMask, from_container
 from magicube.ops.format import value_coordinates
 
@@ -27,10 +27,7 @@ SHAPES = [(1, 7, 100), (3, 5, 272), (1, 1, 2), (2, 9, 700), (1, 3, 2200), (3, 4,
 
 @pytest.fixture(scope="module")
 def kernels():
-    from magicube.ops import extension
-
-    extension.load("softmax")
-    return torch.ops.magicube_cuda
+    return load_kernels("softmax")
 
 
 def _values(p, bh, g, spread=4.0):

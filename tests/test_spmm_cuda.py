@@ -9,7 +9,7 @@ fp32 accumulation plus one fp16 rounding, measured against a float64 product.
 import pytest
 import torch
 
-from conftest import problem, random_ints
+from conftest import load_kernels, poison_allocator, problem, random_ints
 from magicube.ops import SRBCRS, VectorMask, qrange, to_container
 
 pytestmark = [pytest.mark.gpu,
@@ -27,16 +27,7 @@ SHAPES = [(1, 7, 333, 100), (3, 5, 97, 272), (1, 1, 40, 2), (3, 9, 700, 36)]
 
 @pytest.fixture(scope="module")
 def kernels():
-    from magicube.ops import extension
-
-    extension.load("spmm")
-    return torch.ops.magicube_cuda
-
-
-def _poison():
-    """Leave a freed block of garbage for the caching allocator to hand out next."""
-    junk = torch.full((1 << 22,), -0x5A5A5A5A5A5A5A5A, dtype=torch.int64, device="cuda")
-    del junk
+    return load_kernels("spmm")
 
 
 def _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, out_dtype):
@@ -44,7 +35,7 @@ def _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, out_dtype
     cuda = p.to("cuda")
     args = (a_values, b, sa, sb)
     dev = [x.cuda() if x is not None else None for x in args]
-    _poison()
+    poison_allocator(-0x5A5A5A5A5A5A5A5A, torch.int64)
     got = kernels.spmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev, v, p.m, a_bits, a_signed, b_bits,
                        out_dtype)
     torch.cuda.synchronize()
