@@ -122,9 +122,10 @@ def main(argv=None) -> int:
     parser.add_argument("--cuda-graph", action="store_true", help="time replays of a captured CUDA graph")
     parser.add_argument("--quick", action="store_true", help="only B=8, L=4096, H=4, sparsity 0.9")
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
+    parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda where there is one")
     args = parser.parse_args(argv)
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     if args.quick:
         args.batch, args.length, args.heads, args.sparsity = [8], [4096], [4], [0.9]
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
             print(f"{backend:>12} {batch:>2} {length:>5} {heads:>2} {sparsity:>4} | {row['model']['median_ms']:9.3f} "
                   f"{row['model_rel_err']:8.1e} | {row['layer']['median_ms']:9.3f} {row['layer_rel_err']:8.1e} | "
                   f"{row['model'].get('peak_mem_mb', float('nan')):8.0f}", flush=True)
-    payload = dict(environment=environment(), cuda_graph=args.cuda_graph, dtype=str(dtype), rows=rows)
+    payload = dict(environment=environment(device), cuda_graph=args.cuda_graph, dtype=str(dtype), rows=rows)
     path = save_json(args.out / "bench_model.json", payload)
     plot(rows, args.out / "bench_model.png")
     print(f"wrote {path} and {args.out / 'bench_model.png'}")

@@ -108,8 +108,11 @@ def git_commit() -> str:
         return "unknown"
 
 
-def environment() -> dict:
-    """Device, versions and commit: what a reader needs to trust or reproduce a number."""
+def environment(device=None) -> dict:
+    """Device, versions and commit: what a reader needs to trust or reproduce a number.
+
+    `device` is where the timed work ran (default: the current CUDA device where there is one).
+    """
     env = {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -117,7 +120,7 @@ def environment() -> dict:
         "commit": git_commit(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         env.update(device=props.name, sm=f"{props.major}.{props.minor}", multiprocessors=props.multi_processor_count)
     else:

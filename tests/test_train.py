@@ -131,13 +131,16 @@ def test_text_task_end_to_end(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_data_parallel_on_two_cpu_processes(tmp_path):
     """DDP through accelerate (gloo): the global batch split over 2 processes, evaluation reduced over both."""
+    import os
     import subprocess
     import sys
 
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "magicube.eval.cli",
             "train", "--config", "tiny", "--no-progress", *TINY_OVERRIDES, f"data.path={tmp_path / 'listops'}",
             f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'run'}", "train.cpu=true"]
-    r = subprocess.run([*args, "train.steps=4"], capture_output=True, text=True, timeout=240)
+    # hide GPUs: with one device, two processes would both claim it before train.cpu applies
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([*args, "train.steps=4"], capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("trained to step 4") == 1
     evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
