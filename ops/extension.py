@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("quantize", "spmm", "sddmm", "softmax", "attention")
-OP_FAMILY = {"quantize": "quantize", "spmm": "spmm", "sddmm": "sddmm", "sparse_softmax": "softmax", "sparse_attention": "attention"}
+FAMILIES = ("spmm", "sddmm", "softmax", "attention")
+OP_FAMILY = {"spmm": "spmm", "sddmm": "sddmm", "sparse_softmax": "softmax", "sparse_attention": "attention"}
 DEFAULT_ARCHS = ("80", "90a")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
