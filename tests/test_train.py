@@ -92,6 +92,15 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     assert full["eval_accuracy"] == resumed["eval_accuracy"]
 
 
+def test_time_limit_ends_a_part_with_a_checkpoint(tmp_path):
+    cfg = tiny_cfg(tmp_path, "parts", "train.steps=12", "train.max_minutes=1e-9")
+    part = train(cfg, progress=False)
+    # stops at the first logging step past the deadline, between the scheduled checkpoints
+    assert part["step"] == 2 and latest_checkpoint(tmp_path / "parts").name == "step_0000002"
+    cfg["train"]["max_minutes"] = None
+    assert train(cfg, progress=False)["step"] == 12
+
+
 def test_checkpoint_contents_and_retention(tmp_path):
     train(tiny_cfg(tmp_path, "run", "train.steps=8", "train.keep_checkpoints=1"), progress=False)
     root = tmp_path / "run" / "checkpoints"

@@ -215,7 +215,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, accelerator) -> int
 def _comparable(cfg: dict) -> dict:
     """The parts of a config a resumed run must share with its checkpoint (not its length or logging)."""
     train = {k: v for k, v in cfg.get("train", {}).items()
-             if k not in ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints")}
+             if k not in ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "max_minutes")}
     return {"seed": cfg.get("seed"), "data": cfg.get("data"), "model": cfg.get("model"), "train": train}
 
 
@@ -258,6 +258,10 @@ def accuracy(model, ids: torch.Tensor, labels: torch.Tensor, batch_size: int, ac
     model.train(was_training)
     correct, loss, count = totals.tolist()
     return {"accuracy": correct / max(count, 1), "loss": loss / max(count, 1), "examples": int(count)}
+
+
+def _any_process(accelerator: Accelerator, flag: bool) -> bool:
+    return bool(accelerator.reduce(torch.tensor(int(flag), device=accelerator.device), "max").item())
 
 
 # ---- training ----------------------------------------------------------------------------
@@ -320,6 +324,9 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
     eval_bs = int(tc.get("eval_batch_size", bs))
     eval_batches = tc.get("eval_batches")
     grad_clip = tc.get("grad_clip")
+    # A wall-clock budget for one part of a long run: it ends with a checkpoint and the next
+    # part resumes from it. Checked at logging steps, where every process agrees on the answer.
+    deadline = time.time() + 60 * float(tc["max_minutes"]) if tc.get("max_minutes") else None
     # The ops serve inference; evaluation during training runs the same function as training.
     eval_impl = "masked" if mcfg.attention in ("sparse", *QUANTIZED) else None
 
@@ -368,13 +375,18 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
         if (eval_every and step % eval_every == 0) or step == steps:
             last_eval = evaluate_now(step)["accuracy"]
             bar.set_postfix(loss=f"{loss:.3f}", eval=f"{last_eval:.3f}")
-        if (ckpt_every and step % ckpt_every == 0) or step == steps:
+        out_of_time = deadline is not None and step % log_every == 0 and _any_process(accelerator, time.time() > deadline)
+        if (ckpt_every and step % ckpt_every == 0) or step == steps or out_of_time:
             accelerator.wait_for_everyone()
             if main:
                 save_checkpoint(out_dir, step, model, optimizer, scheduler, accelerator, cfg,
                                 tc.get("keep_checkpoints"))
             accelerator.wait_for_everyone()
         bar.update(1)
+        if out_of_time:
+            accelerator.print(f"stopping at step {step}: train.max_minutes={tc['max_minutes']} reached; "
+                              "run the same command again to resume")
+            break
         if stop_after is not None and step >= stop_after:
             break
     bar.close()
