@@ -5,10 +5,10 @@ kernels build on first use and the pure-PyTorch reference serves everywhere else
 """
 
 from .format import INT4_SHUFFLE, SRBCRS, VectorMask, random_vector_mask, vector_mask_from_dense
-from .functional import expand_scale, sddmm, sparse_attention, sparse_softmax, spmm
+from .functional import expand_scale, quantize_to_container, sddmm, sparse_attention, sparse_softmax, spmm
 from .library import SDDMM_BITS, SOFTMAX_BITS, SPMM_PAIRS
 from .quant import (absmax_scale, combine_planes, container_dtype, dequantize, from_container, pack_int4,
-                    qrange, quantize, quantize_to_container, split_planes, to_container, unpack_int4)
+                    qrange, quantize, split_planes, to_container, unpack_int4)
 
 __all__ = [
     "INT4_SHUFFLE", "SRBCRS", "VectorMask", "random_vector_mask", "vector_mask_from_dense",

@@ -14,14 +14,16 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import subprocess
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-FAMILIES = ("spmm", "sddmm", "softmax", "attention")
-OP_FAMILY = {"spmm": "spmm", "sddmm": "sddmm", "sparse_softmax": "softmax", "sparse_attention": "attention"}
+FAMILIES = ("quantize", "spmm", "sddmm", "softmax", "attention")
+OP_FAMILY = {"quantize": "quantize", "spmm": "spmm", "sddmm": "sddmm", "sparse_softmax": "softmax", "sparse_attention": "attention"}
 DEFAULT_ARCHS = ("80", "90a")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -121,24 +123,47 @@ def ops_or_none(op: str):
     return torch.ops.magicube_cuda
 
 
+def _build_one(family: str) -> tuple[str, int, str]:
+    # A process per family: each loads what it built, so parallel builds never share a dispatcher.
+    entry = "import sys; from magicube.ops.extension import main; sys.exit(main(sys.argv[1:]))"
+    run = subprocess.run([sys.executable, "-c", entry, "--sequential", family],
+                         capture_output=True, text=True)
+    return family, run.returncode, run.stdout + run.stderr
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m magicube.ops.extension",
                                      description="Build the CUDA kernels ahead of time.")
-    parser.add_argument("families", nargs="*", default=list(FAMILIES), help=f"any of {FAMILIES}")
+    parser.add_argument("families", nargs="*", metavar="FAMILY",
+                        help=f"any of {FAMILIES} (default: all)")
+    parser.add_argument("--sequential", action="store_true", help="build in this process, one family at a time "
+                        "(default: a process per family, as many at once as half the CPUs allow)")
     args = parser.parse_args(argv)
+    unknown = [f for f in args.families if f not in FAMILIES]
+    if unknown:
+        parser.error(f"unknown families {unknown}: expected any of {FAMILIES}")
+    args.families = args.families or list(FAMILIES)
     reason = toolchain()
     if reason:
         print(f"magicube: cannot build the kernels: {reason}", file=sys.stderr)
         return 1
-    failed = []
-    for family in args.families:
-        try:
-            load(family)
-            print(f"magicube: {family} kernels built")
-        except (RuntimeError, FileNotFoundError) as err:
-            print(f"magicube: building the {family} kernels failed:\n{err}", file=sys.stderr)
-            failed.append(family)
-    return 1 if failed else 0
+    workers = min(len(args.families), (os.cpu_count() or 1) // 2)
+    if args.sequential or workers <= 1:
+        failed = []
+        for family in args.families:
+            try:
+                load(family)
+                print(f"magicube: {family} kernels built", flush=True)
+            except (RuntimeError, FileNotFoundError) as err:
+                print(f"magicube: building the {family} kernels failed:\n{err}", file=sys.stderr, flush=True)
+                failed.append(family)
+        return 1 if failed else 0
+    print(f"magicube: building {', '.join(args.families)} ({workers} at a time)", file=sys.stderr, flush=True)
+    with ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(_build_one, args.families))
+    for _, _, output in results:
+        print(output, end="", flush=True)
+    return 1 if any(code for _, code, _ in results) else 0
 
 
 if __name__ == "__main__":

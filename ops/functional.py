@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import library  # noqa: F401  (registers the ops)
+from . import quant
 from .format import SRBCRS
 
 _ops = torch.ops.magicube
@@ -107,3 +110,24 @@ def sparse_attention(pattern: SRBCRS, query: torch.Tensor, key: torch.Tensor, va
     sv = None if scale_v is None else expand_scale(scale_v, bh, dv, "scale_v", query.device)
     return _ops.sparse_attention(p.row_ptr, p.col_idx, p.row_order, query.contiguous(), key.contiguous(),
                                  value.contiguous(), sq, sk, sv, p.v, float(softmax_scale), qk_bits, p_bits)
+
+
+def quantize_to_container(x: torch.Tensor, scale, bits: int, signed: bool = True) -> torch.Tensor:
+    """quant.quantize_to_container (the definition) through the one-pass op where it applies.
+
+    The op takes x as [rows, cols] with one scale per row: a scale that broadcasts over x's
+    trailing dimensions (per tensor, per (batch x head), per row) maps onto it; other shapes,
+    and column counts that are not a multiple of 8, take the PyTorch path.
+    """
+    s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    lead = x.dim() - s.dim()
+    varying = [n for n in range(x.dim()) if n < lead or s.shape[n - lead] != 1]  # dims the scale varies over
+    split = varying[-1] + 1 if varying else 0
+    cols = math.prod(x.shape[split:])
+    if (lead < 0 or x.dtype not in (torch.float16, torch.float32) or cols % 8 or not x.is_contiguous()
+            or x.numel() == 0 or x.data_ptr() % 16):
+        return quant.quantize_to_container(x, s, bits, signed)
+    rows = x.numel() // cols
+    row_scale = s.expand(*x.shape[:split], *([1] * (x.dim() - split))).reshape(rows).contiguous()
+    out = _ops.quantize(x.reshape(rows, cols), row_scale, bits, signed)
+    return out.reshape(*x.shape[:-1], x.shape[-1] // 2 if bits == 4 else x.shape[-1])

@@ -30,6 +30,8 @@ SCHEMAS = {
                       "int v, float scale, int out_bits) -> (Tensor, Tensor)",
     # sddmm -> sparse_softmax -> spmm in one op, with the same intermediate roundings (fp16
     # scores, quantized probabilities), so that a fused kernel computes the same function.
+    # x [rows, cols] (cols a multiple of 8) / scale [rows] -> the container of `bits`
+    "quantize": "quantize(Tensor x, Tensor scale, int bits, bool is_signed) -> Tensor",
     "sparse_attention": "sparse_attention(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor query, "
                         "Tensor key, Tensor value, Tensor? scale_q, Tensor? scale_k, Tensor? scale_v, int v, "
                         "float softmax_scale, int qk_bits, int p_bits) -> Tensor",
@@ -167,7 +169,19 @@ def check_sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale
     return bh, query.shape[1], dv
 
 
-CHECKS = {"spmm": check_spmm, "sddmm": check_sddmm, "sparse_softmax": check_sparse_softmax,
+def check_quantize(x, scale, bits, is_signed):
+    device = x.device if isinstance(x, torch.Tensor) else None
+    _check_tensor("x", x, dim=2, device=device)
+    if x.dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"x: expected float16 or float32 data, got {_describe(x)}")
+    if x.shape[1] % 8:
+        raise ValueError(f"x: expected a multiple of 8 columns, got {_describe(x)}")
+    _check_tensor("scale", scale, torch.float32, shape=(x.shape[0],), device=device)
+    check_bits(bits, is_signed)
+    return x.shape[0], x.shape[1] // 2 if bits == 4 else x.shape[1]
+
+
+CHECKS = {"quantize": check_quantize, "spmm": check_spmm, "sddmm": check_sddmm, "sparse_softmax": check_sparse_softmax,
           "sparse_attention": check_sparse_attention}
 
 # ---------------------------------------------------------------------------------------------
@@ -223,3 +237,9 @@ def _sparse_attention_fake(row_ptr, col_idx, row_order, query, key, value, scale
     bh, m, dv = check_sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale_q, scale_k, scale_v,
                                        v, softmax_scale, qk_bits, p_bits)
     return query.new_empty((bh, m, dv), dtype=torch.float16)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::quantize")
+def _quantize_fake(x, scale, bits, is_signed):
+    rows, cols = check_quantize(x, scale, bits, is_signed)
+    return x.new_empty((rows, cols), dtype=container_dtype(bits, is_signed))

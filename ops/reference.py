@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .format import value_coordinates
-from .quant import from_container, to_container
+from .quant import from_container, quantize_to_container, to_container
 
 OP_STRIDE = 32
 EXACT_REDUCTION = 1 << 21  # 2^21 * 2^31 (u16 x s16) < 2^53
@@ -115,3 +115,7 @@ def sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale_q, sc
     if p_bits == 0:
         return spmm(*pattern, probs, value, None, None, v, m, 16, True, 16, torch.float16)
     return spmm(*pattern, probs, value, row_scale, scale_v, v, m, p_bits, False, qk_bits, torch.float16)
+
+
+def quantize(x, scale, bits, is_signed):
+    return quantize_to_container(x, scale[:, None], bits, is_signed)

@@ -14,7 +14,8 @@ needs_toolchain = pytest.mark.skipif(extension.toolchain() is not None,
 @pytest.mark.parametrize("family", [f for f in extension.FAMILIES if extension.sources(f)[0].exists()])
 def test_family_compiles_and_registers_its_ops(family):
     extension.load(family)
-    ops = {"spmm": ["spmm"], "sddmm": ["sddmm"], "softmax": ["sparse_softmax"], "attention": ["sparse_attention"]}[family]
+    ops = {"quantize": ["quantize"], "spmm": ["spmm"], "sddmm": ["sddmm"], "softmax": ["sparse_softmax"],
+           "attention": ["sparse_attention"]}[family]
     for op in ops:
         assert hasattr(torch.ops.magicube_cuda, op), f"{family} did not register magicube_cuda::{op}"
 

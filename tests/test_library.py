@@ -40,6 +40,13 @@ def test_opcheck_spmm(make):
     torch.library.opcheck(torch.ops.magicube.spmm.default, args)
 
 
+@pytest.mark.parametrize("bits, is_signed", [(4, True), (8, True), (12, True), (16, False), (4, False)])
+def test_opcheck_quantize(bits, is_signed):
+    x = torch.randn(6, 24) * 100
+    torch.library.opcheck(torch.ops.magicube.quantize.default, (x.abs() if not is_signed else x, torch.rand(6) + 0.5,
+                                                                bits, is_signed))
+
+
 @pytest.mark.parametrize("bits", [4, 8, 16])
 def test_opcheck_sddmm(bits):
     _, args = _sddmm_args(bits)

@@ -31,6 +31,11 @@ def test_quantize_divides_in_fp32():
     x = torch.tensor([1.0, 3.0, 10.0])
     scale = torch.tensor(0.1)
     assert quantize(x, scale, 8).tolist() == torch.round(x / scale).tolist()
+    # half data: fp32 division for every shape of scale (a 0-dim one does not promote half)
+    h = torch.tensor([0.4995, 1.501, 2.5, 60000.0], dtype=torch.float16)
+    for s in (torch.tensor(0.1001), torch.tensor([0.1001]), torch.full((4,), 0.1001)):
+        want = (h.float() / s).round().clamp(0, 65535)
+        assert torch.equal(quantize(h, s, 16, signed=False).float(), want)
 
 
 @settings(max_examples=40, deadline=None)
@@ -93,3 +98,24 @@ def test_bit_planes(bits, signed, seed):
     hi_min, hi_max = qrange(plane_bits, signed) if signed else (0, (1 << plane_bits) - 1)
     assert hi_min <= int(planes[0].min()) and int(planes[0].max()) <= hi_max
     assert torch.equal(combine_planes(planes, plane_bits), q)
+
+
+SCALE_SHAPES = [((3, 40, 16), (3, 1, 1)), ((3, 40, 16), (3, 40, 1)), ((3, 40, 16), ()), ((3, 40, 16), (3, 1, 16)),
+                ((2, 5, 6), (2, 1, 1)), ((4, 24), (4, 1))]
+
+
+@pytest.mark.parametrize("shape, scale_shape", SCALE_SHAPES)
+@pytest.mark.parametrize("bits, signed", KINDS)
+def test_the_quantize_op_is_the_definition(shape, scale_shape, bits, signed):
+    """ops.quantize_to_container (the one-pass op where the scale allows) == quant's definition."""
+    from magicube import ops
+    from magicube.ops import quant
+
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(shape, generator=g) * 2 ** (bits - 3)
+    x = x if signed else x.abs()
+    s = torch.rand(scale_shape, generator=g) + 0.25
+    x.view(-1)[:4] = torch.tensor([0.5, 1.5, -2.5, 1e9]) * s.reshape(-1)[0]  # ties and saturation
+    got = ops.quantize_to_container(x, s, bits, signed)
+    assert got.dtype == container_dtype(bits, signed)
+    assert torch.equal(got, quant.quantize_to_container(x, s, bits, signed))
