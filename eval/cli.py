@@ -216,6 +216,10 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"magicube {args.command}: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        dist = sys.modules.get("torch.distributed")  # only a command that imported torch can have a group
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()  # a data-parallel run (accelerate launch) ends its group first
 
 
 if __name__ == "__main__":
