@@ -134,20 +134,20 @@ def main(argv=None) -> int:
               file=sys.stderr)
         args.batch, args.length, args.heads, args.sparsity = [2], [256], [2], [0.9]
     rows = []
+    payload = dict(environment=environment(device), cuda_graph=args.cuda_graph, dtype=str(dtype), rows=rows)
     print(f"{'backend':>12} {'B':>2} {'L':>5} {'H':>2} {'sp':>4} | {'model ms':>9} {'err':>8} | "
           f"{'layer ms':>9} {'err':>8} | {'peak MB':>8}")
     for batch, length, heads, sparsity in itertools.product(args.batch, args.length, args.heads, args.sparsity):
         for backend in args.backends:
             row = run_case(backend, batch, length, heads, sparsity, args.v, args, device, dtype)
             rows.append(row)
+            path = save_json(args.out / "bench_model.json", payload)  # an interrupted sweep keeps what it measured
             if "rejected" in row:
                 print(f"{backend:>12} {batch:>2} {length:>5} {heads:>2} {sparsity:>4} | not timed: {row['rejected']}")
                 continue
             print(f"{backend:>12} {batch:>2} {length:>5} {heads:>2} {sparsity:>4} | {row['model']['median_ms']:9.3f} "
                   f"{row['model_rel_err']:8.1e} | {row['layer']['median_ms']:9.3f} {row['layer_rel_err']:8.1e} | "
                   f"{row['model'].get('peak_mem_mb', float('nan')):8.0f}", flush=True)
-    payload = dict(environment=environment(device), cuda_graph=args.cuda_graph, dtype=str(dtype), rows=rows)
-    path = save_json(args.out / "bench_model.json", payload)
     plot(rows, args.out / "bench_model.png")
     print(f"wrote {path} and {args.out / 'bench_model.png'}")
     return 0
