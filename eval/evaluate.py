@@ -3,6 +3,7 @@
 The backends share the checkpoint's weights and masks:
 
     dense          full attention, no mask (shows what the mask takes away or not)
+    dense-fp16     the same in fp16 (autocast), as a dense model would be served
     sparse-masked  the training function: masked dense attention in fp32
     sparse         fp16 sparse attention through magicube.ops (SDDMM -> softmax -> SpMM)
     16b-8b, 8b-8b, 8b-4b   quantized sparse attention through the integer ops
@@ -16,6 +17,7 @@ under the float backends; its calibrated scales replace the per-batch absmax of 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import time
@@ -31,10 +33,13 @@ from magicube.train import data as data_mod
 from magicube.train.config import load_config
 from magicube.train.trainer import accuracy, resolve_checkpoint
 
-BACKENDS = {"dense": ("dense", "auto"), "sparse-masked": ("sparse", "masked"), "sparse": ("sparse", "ops"),
+# name -> (attention, sparse_impl); "-fp16" rows run the whole model under fp16 autocast
+BACKENDS = {"dense": ("dense", "auto"), "dense-fp16": ("dense", "auto"), "sparse-masked": ("sparse", "masked"),
+            "sparse": ("sparse", "ops"),
             **{name: (name, "ops") for name in QUANTIZED}, **{f"{name}-fake": (name, "masked") for name in QUANTIZED}}
 _BITS = {"16b-8b": "P u16 / QKV s8", "8b-8b": "P u8 / QKV s8", "8b-4b": "P u8 / QKV s4"}
-DESCRIPTION = {"dense": "dense softmax(QK^T)V, no mask", "sparse-masked": "masked dense, fp32 (training path)",
+DESCRIPTION = {"dense": "dense softmax(QK^T)V, no mask", "dense-fp16": "dense, no mask, fp16 autocast",
+               "sparse-masked": "masked dense, fp32 (training path)",
                "sparse": "sparse ops, fp16", **{name: f"sparse ops, {bits}" for name, bits in _BITS.items()},
                **{f"{name}-fake": f"fake-quantized, {bits} (finetuning path)" for name, bits in _BITS.items()}}
 
@@ -92,7 +97,9 @@ def evaluate(path: str | Path, backends=None, split: str | None = None, batch_si
         attention, impl = BACKENDS[name]
         model.set_attention(attention, impl)
         t0 = time.time()
-        r = accuracy(model, ids, labels, batch_size, accelerator, max_batches, progress=progress, desc=name)
+        with (torch.autocast(accelerator.device.type, dtype=torch.float16) if name.endswith("-fp16")
+              else contextlib.nullcontext()):
+            r = accuracy(model, ids, labels, batch_size, accelerator, max_batches, progress=progress, desc=name)
         rows.append({"backend": name, "description": DESCRIPTION[name], "accuracy": r["accuracy"],
                      "loss": r["loss"], "examples": r["examples"], "seconds": round(time.time() - t0, 2)})
     meta = ckpt / "trainer_state.json"
