@@ -101,6 +101,20 @@ def test_time_limit_ends_a_part_with_a_checkpoint(tmp_path):
     assert train(cfg, progress=False)["step"] == 12
 
 
+def test_init_from_takes_the_weights_and_keeps_its_own_masks(tmp_path):
+    train(tiny_cfg(tmp_path, "dense", "train.steps=4", "model.attention=dense"), progress=False)
+    # lr 0: the one step changes nothing, so the checkpoint shows what the run started from
+    train(tiny_cfg(tmp_path, "sparse", "train.steps=1", "train.lr=0", "model.mask_kind=random",
+                   "model.mask_seed=7", f"train.init_from={tmp_path / 'dense'}"), progress=False)
+    src, dst = _weights(latest_checkpoint(tmp_path / "dense")), _weights(latest_checkpoint(tmp_path / "sparse"))
+    masks = [k for k in src if k.endswith("attn.mask")]
+    assert masks and all(not torch.equal(src[k], dst[k]) for k in masks)
+    assert all(torch.equal(src[k], dst[k]) for k in src if k not in masks)
+    with pytest.raises(ValueError, match="weights do not fit"):
+        train(tiny_cfg(tmp_path, "wide", "train.steps=1", "model.emb_dim=48", f"train.init_from={tmp_path / 'dense'}"),
+              progress=False)
+
+
 def test_checkpoint_contents_and_retention(tmp_path):
     train(tiny_cfg(tmp_path, "run", "train.steps=8", "train.keep_checkpoints=1"), progress=False)
     root = tmp_path / "run" / "checkpoints"

@@ -23,12 +23,11 @@ import copy
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from magicube.model import fakequant
 from magicube.model.lra import QUANTIZED, LRAClassifier
 from magicube.train.config import apply_overrides, config_names, load_config
-from magicube.train.trainer import batch_indices, resolve_checkpoint, train
+from magicube.train.trainer import batch_indices, load_weights, resolve_checkpoint, train
 
 
 def finetune_section(source: dict, config: str | Path | None) -> dict:
@@ -116,12 +115,7 @@ def init_from(cfg: dict):
         model = LRAClassifier(mcfg)
         if resuming:  # the finetuning checkpoint holds the weights and scales
             return model
-        state = load_file(Path(ft["from"]) / "model.safetensors", device="cpu")
-        state = {k: v for k, v in state.items() if not k.endswith("qkv_scale")}  # a finetuned source: recalibrate
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if unexpected or any(not k.endswith("qkv_scale") for k in missing):
-            raise ValueError(f"{ft['from']}: weights do not fit the model (missing {missing}, unexpected "
-                             f"{unexpected})")
+        load_weights(model, ft["from"], skip=("qkv_scale",))  # a finetuned source: recalibrate
         if mcfg.calibrated:
             model.to(device)
             amax = calibrate(model, train_split[0], int(cfg["train"]["batch_size"]),

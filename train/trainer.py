@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
@@ -107,6 +108,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return ckpt
 
 
+def load_weights(model: LRAClassifier, source: str | Path, skip: tuple[str, ...] = ()) -> None:
+    """Weights of a checkpoint (or a run's latest) into `model`, less the keys ending with `skip`,
+    which keep the model's own values. Anything else that does not fit is an error."""
+    path = resolve_checkpoint(source)
+    state = {k: v for k, v in load_file(path / "model.safetensors", device="cpu").items() if not k.endswith(skip)}
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # shapes differ
+        raise ValueError(f"{path}: weights do not fit the model: {err}") from None
+    if unexpected or any(not k.endswith(skip) for k in missing):
+        raise ValueError(f"{path}: weights do not fit the model (missing {missing}, unexpected {unexpected})")
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(text)
@@ -152,7 +166,6 @@ def _decode(obj, tensors: dict):
 def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, accelerator, cfg: dict,
                     keep: int | None) -> Path:
     """Write everything to a temporary directory, then rename it into place: never half a checkpoint."""
-    from safetensors.torch import save_file
 
     root = out_dir / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
@@ -188,14 +201,12 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, accel
 
 def read_trainer_state(path: Path) -> dict:
     """The optimizer, scheduler, scaler, RNG and step state of a checkpoint."""
-    from safetensors.torch import load_file
 
     tensors = load_file(path / "trainer_state.safetensors", device="cpu")
     return _decode(json.loads((path / "trainer_state.json").read_text())["state"], tensors)
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, accelerator) -> int:
-    from safetensors.torch import load_file
 
     accelerator.unwrap_model(model).load_state_dict(load_file(path / "model.safetensors", device="cpu"))
     state = read_trainer_state(path)
@@ -293,6 +304,9 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
     ckpt = latest_checkpoint(out_dir) if resume else None
     if init_model is None:
         model = LRAClassifier(mcfg)
+        if tc.get("init_from") and ckpt is None:
+            # e.g. a sparse model from trained dense weights: every weight but the masks, which are this config's
+            load_weights(model, tc["init_from"], skip=("attn.mask", "qkv_scale"))
     else:
         model = init_model(mcfg, (train_ids, train_labels), accelerator.device, ckpt is not None)
     optimizer = torch.optim.AdamW(param_groups(model, tc), lr=float(tc["lr"]),
