@@ -133,7 +133,13 @@ def _cmd_build(args) -> int:
     return extension.main(args.rest)
 
 
-PASS_THROUGH = ("bench", "build")  # their own parsers take the remaining arguments
+def _cmd_table(args) -> int:
+    from magicube.eval import table
+
+    return table.main(args.rest)
+
+
+PASS_THROUGH = ("bench", "build", "table")  # their own parsers take the remaining arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_cmd_bench)
     k = sub.add_parser("build", add_help=False, help="compile the CUDA kernels ahead of time (magicube build --help)")
     k.set_defaults(func=_cmd_build)
+    tb = sub.add_parser("table", add_help=False, help="the paper's accuracy table (Table V) from evaluation reports "
+                       "(magicube table --help)")
+    tb.set_defaults(func=_cmd_table)
 
     m = sub.add_parser("demo", help="generate a small ListOps set, train the tiny config, evaluate every backend, "
                        "quantization-finetune one precision and evaluate it")
