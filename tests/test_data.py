@@ -41,10 +41,16 @@ def test_imdb_folder_matches_archive(tmp_path, reviews):
             f.parent.mkdir(parents=True, exist_ok=True)
             f.write_bytes(d["text"][i])
             want[(split, d["id"][i], d["label"][i])] = d["text"][i]
-    got = imdb.read_imdb(imdb.find_imdb(tmp_path))
-    have = {(s, i, lab): t for s in imdb.SPLITS
-            for i, lab, t in zip(got[s]["id"], got[s]["label"], got[s]["text"])}
-    assert have == want
+    def reviews_at(path):
+        got = imdb.read_imdb(imdb.find_imdb(path))
+        return {(s, i, lab): t for s in imdb.SPLITS for i, lab, t in zip(got[s]["id"], got[s]["label"], got[s]["text"])}
+
+    assert reviews_at(tmp_path) == want
+    # the same reviews recompressed (xz packs the archive a third smaller than gzip)
+    xz = tmp_path / "imdb.tar.xz"
+    with tarfile.open(xz, "w:xz") as tar:
+        tar.add(tmp_path / "aclImdb", arcname="aclImdb")
+    assert reviews_at(xz) == want
 
 
 @needs_imdb

@@ -26,7 +26,7 @@ def find_imdb(path: str | os.PathLike | None = None) -> Path:
             continue
         p = Path(c).expanduser()
         for q in (p, p / ARCHIVE, p / "aclImdb"):
-            if q.is_file() and q.name.endswith((".tar.gz", ".tgz", ".tar")):
+            if q.is_file() and q.name.endswith((".tar.gz", ".tgz", ".tar", ".tar.xz", ".tar.bz2")):
                 return q
             if q.is_dir() and q.name == "aclImdb" and (q / "train").is_dir():
                 return q
