@@ -126,9 +126,9 @@ def ops_or_none(op: str):
 def _build_one(family: str) -> tuple[str, int, str]:
     # A process per family: each loads what it built, so parallel builds never share a dispatcher.
     entry = "import sys; from magicube.ops.extension import main; sys.exit(main(sys.argv[1:]))"
-    run = subprocess.run([sys.executable, "-c", entry, "--sequential", family],
-                         capture_output=True, text=True)
-    return family, run.returncode, run.stdout + run.stderr
+    run = subprocess.run([sys.executable, "-c", entry, "--sequential", family], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)  # one stream, in the order it was written
+    return family, run.returncode, run.stdout
 
 
 def main(argv=None) -> int:
