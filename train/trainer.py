@@ -166,7 +166,6 @@ def _decode(obj, tensors: dict):
 def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, accelerator, cfg: dict,
                     keep: int | None) -> Path:
     """Write everything to a temporary directory, then rename it into place: never half a checkpoint."""
-
     root = out_dir / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:07d}"
@@ -201,13 +200,11 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, accel
 
 def read_trainer_state(path: Path) -> dict:
     """The optimizer, scheduler, scaler, RNG and step state of a checkpoint."""
-
     tensors = load_file(path / "trainer_state.safetensors", device="cpu")
     return _decode(json.loads((path / "trainer_state.json").read_text())["state"], tensors)
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, accelerator) -> int:
-
     accelerator.unwrap_model(model).load_state_dict(load_file(path / "model.safetensors", device="cpu"))
     state = read_trainer_state(path)
     optimizer.load_state_dict(state["optimizer"])
