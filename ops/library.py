@@ -72,6 +72,9 @@ def _check_pattern(row_ptr, col_idx, row_order, v, device):
         raise ValueError(f"col_idx: the ops read patterns of stride {OP_STRIDE}; got {col_idx.numel()} slots, "
                          f"not a multiple of {OP_STRIDE} (build it with SRBCRS.from_mask(mask, stride={OP_STRIDE}))")
     _check_tensor("row_order", row_order, torch.int32, 1, shape=(row_ptr.numel() // 2,), device=device)
+    if row_ptr.numel() == 0 and col_idx.numel():
+        # the kernels index rows from the blocks: a block with no row would read before the operands
+        raise ValueError(f"col_idx: a pattern with no rows (empty row_ptr) has no columns, got {col_idx.numel()} slots")
 
 def _check_scales(scale_a, scale_b, rows, cols, bh, device, quantized, out_dtype):
     if not quantized:

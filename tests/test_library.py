@@ -139,6 +139,11 @@ def test_sddmm_and_softmax_reject_bad_inputs_with_messages():
     for index, value, message in cases:
         with pytest.raises(ValueError, match=message):
             op(*_replace(args, index, value))
+    no_rows = [torch.zeros(0, dtype=torch.int32), args[1], torch.zeros(0, dtype=torch.int32), args[3][:, :0]]
+    slots = args[1].numel()
+    message = rf"col_idx: a pattern with no rows \(empty row_ptr\) has no columns, got {slots}"
+    with pytest.raises(ValueError, match=message):
+        op(*no_rows, *args[4:])
     p, args = _softmax_args()
     op = torch.ops.magicube.sparse_softmax
     for index, value, message in [

@@ -386,7 +386,8 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
         if (eval_every and step % eval_every == 0) or step == steps:
             last_eval = evaluate_now(step)["accuracy"]
             bar.set_postfix(loss=f"{loss:.3f}", eval=f"{last_eval:.3f}")
-        out_of_time = deadline is not None and step % log_every == 0 and _any_process(accelerator, time.time() > deadline)
+        out_of_time = (deadline is not None and step % log_every == 0
+                       and _any_process(accelerator, time.time() > deadline))
         if (ckpt_every and step % ckpt_every == 0) or step == steps or out_of_time:
             accelerator.wait_for_everyone()
             if main:
