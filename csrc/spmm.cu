@@ -5,6 +5,10 @@
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
 
+#include <mutex>
+#include <set>
+#include <utility>
+
 #include "check.cuh"
 #include "spmm_kernel.cuh"
 
@@ -26,17 +30,32 @@ at::Tensor aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
 }
 
+// Dynamic shared memory past 48 KB has to be allowed per kernel, once per device.
+void allow_smem(const void* kernel, int bytes) {
+  if (bytes <= 48 * 1024) return;
+  static std::mutex mu;
+  static std::set<std::pair<const void*, int>> done;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count({kernel, device})) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  done.insert({kernel, device});
+}
+
 template <int AB, bool AS, int BB>
 void launch(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, bool fast) {
-  const int64_t tiles = (p.row_bytes + magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes - 1) /
-                        magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes;
+  using K = magicube::spmm_detail::Kind<AB, AS, BB>;
+  const int64_t tiles = (p.row_bytes + K::kTileBytes - 1) / K::kTileBytes;
   MAGICUBE_CHECK(tiles <= 65535 && vrows <= INT32_MAX, "spmm: N or M too large");
   const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(tiles), static_cast<unsigned>(bh));
-  if (fast) {
-    magicube::spmm_detail::spmm_kernel<AB, AS, BB, true><<<grid, kThreads, 0, stream>>>(p);
-  } else {
-    magicube::spmm_detail::spmm_kernel<AB, AS, BB, false><<<grid, kThreads, 0, stream>>>(p);
-  }
+  // The Hopper build (sm_90a) runs on major version 9 and takes the deeper pipeline; a device
+  // running other code gets at least what that code needs.
+  const int smem = K::smem_bytes(at::cuda::getCurrentDeviceProperties()->major >= 9);
+  auto kernel = fast ? magicube::spmm_detail::spmm_kernel<AB, AS, BB, true>
+                     : magicube::spmm_detail::spmm_kernel<AB, AS, BB, false>;
+  allow_smem(reinterpret_cast<const void*>(kernel), smem);
+  kernel<<<grid, kThreads, smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -126,6 +145,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   if (out.numel() == 0) return out;
 
   const at::Tensor a_al = aligned16(a_values);
+  const at::Tensor col_al = aligned16(col_idx);
   const int64_t row_bytes = b.size(2) * b.element_size();
   // Widest copy that every dense row start admits.
   const uintptr_t base = reinterpret_cast<uintptr_t>(b.data_ptr());
@@ -139,7 +159,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
 
   Params p;
   p.row_ptr = row_ptr.data_ptr<int>();
-  p.col_idx = col_idx.data_ptr<int>();
+  p.col_idx = col_al.data_ptr<int>();
   p.row_order = row_order.data_ptr<int>();
   p.a = static_cast<const uint8_t*>(a_al.data_ptr());
   p.b = static_cast<const uint8_t*>(b.data_ptr());

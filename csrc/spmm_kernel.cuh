@@ -10,19 +10,21 @@
 // nothing here.
 //
 // One CTA = one vector row x a kTileBytes-wide slice of B's rows; 4 warps split the slice. Per
-// 32-slot block, the 32 gathered dense rows go to shared memory through a 4-stage cp.async
+// 32-slot block, the 32 gathered dense rows go to shared memory through a multi-stage cp.async
 // pipeline. The gather is the limiter: every kept vector re-reads a whole row slice of B from L2
 // (measured on an H200: ~7-8 TB/s effective at large problems; latency-bound when the grid is
-// small), so the pipeline keeps three blocks in flight per CTA with several CTAs per SM, and the
-// column indices of the next block are prefetched into registers one step ahead so the gather
-// addresses never wait on a dependent load. The online transpose of the gathered tile happens on
-// the way out of shared memory: ldmatrix.trans transposes byte pairs and one prmt per register
-// finishes the 8-bit transpose (16-bit planes fall out of the same prmt). Slots are placed in
-// shared memory rows so that each ldmatrix 8x8 matrix reads 8 consecutive rows, and the 16-byte
-// chunks are XOR-swizzled with the row so those reads and the cp.async writes are bank-conflict
-// free. Because the MMA's k order is free as long as both operands agree, the sparse fragment is
-// loaded in whatever order its container makes cheapest (no int4 column shuffle is needed; the
-// kernel works on shuffled and unshuffled patterns alike).
+// small), so the pipeline keeps several blocks in flight per CTA (five on Hopper, whose shared
+// memory holds 6 stages for each of 4 CTAs per SM; three elsewhere) with several CTAs per SM. The
+// row's column indices are staged in shared memory in the prologue (and those of the next block
+// read one step ahead into registers), so the gather addresses never wait on an L2 round trip. The
+// epilogue dequantizes and stores straight from the accumulator fragments. The online transpose of
+// the gathered tile happens on the way out of shared memory: ldmatrix.trans transposes byte pairs
+// and one prmt per register finishes the 8-bit transpose (16-bit planes fall out of the same prmt).
+// Slots are placed in shared memory rows so that each ldmatrix 8x8 matrix reads 8 consecutive rows,
+// and the 16-byte chunks are XOR-swizzled with the row so those reads and the cp.async writes are
+// bank-conflict free. Because the MMA's k order is free as long as both operands agree, the sparse
+// fragment is loaded in whatever order its container makes cheapest (no int4 column shuffle is
+// needed; the kernel works on shuffled and unshuffled patterns alike).
 //
 // Wide operands: 16-bit values are two byte planes, x = hi * 256 + lo (hi signed, or unsigned for
 // u16; lo unsigned), multiplied plane by plane with mixed-signedness MMAs and recombined with
@@ -34,6 +36,7 @@
 
 #include <cstdint>
 #include <cuda_fp16.h>
+#include <type_traits>
 
 #include "mma.cuh"
 
@@ -48,8 +51,25 @@ constexpr int kSlots = 32;        // SR-BCRS stride of the ops
 constexpr int kWideTileBytes = 256;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kStages = 4;
 constexpr int kFlushBlocks = 512;
+// Column indices of a row's first kColBlocks blocks are copied to shared memory up front, so the
+// gather addresses of those blocks wait on a shared load, not on an L2 round trip per block;
+// longer rows, which are dominated by streaming, read the rest from global memory. 31, not 32:
+// with the staged scales beside them, 6 stages of the 16-bit sparse kinds still fit on Hopper.
+constexpr int kColBlocks = 31;
+constexpr int kColBytes = kColBlocks * kSlots * 4;
+
+// Pipeline depth. Hopper: the deepest pipeline (at most kMaxStages) that still fits 4 CTAs in an
+// SM's 228 KB of shared memory (the hardware keeps 1 KB per CTA), i.e. 6 stages of 256-byte tiles
+// (five blocks in flight per CTA instead of three) and 8 of 128-byte ones. Older parts have at most
+// 164 KB per SM and keep 4 stages, which still fits 4 CTAs there.
+constexpr int kMaxStages = 8;
+constexpr int kHopperSmemPerCta = 228 * 1024 / 4 - 1024;
+constexpr int pipeline_stages(int stage_bytes, int scale_bytes, bool hopper) {
+  if (!hopper) return 4;
+  const int fit = (kHopperSmemPerCta - kColBytes - scale_bytes) / stage_bytes;
+  return fit < kMaxStages ? fit : kMaxStages;
+}
 
 struct Params {
   const int* row_ptr;
@@ -88,6 +108,17 @@ struct Kind {
   static constexpr int kMTiles = kWarpChunks * kColsPerChunk / 16;
   static constexpr int kShift = (AB == 4 ? 4 : 0) + (BB == 4 ? 4 : 0);
 
+  // Shared memory: the pipeline stages (32 gathered dense rows, then the sparse V x 32 block),
+  // the staged column indices, then the scales of the CTA's 8 rows and kTileCols columns.
+  static constexpr int kDenseStage = kSlots * kTileBytes;
+  static constexpr int kSparseStage = 8 * kSparseRowBytes;
+  static constexpr int kStageBytes = kDenseStage + kSparseStage;
+  static constexpr int kScaleBytes = (8 + kTileCols) * 4;
+  static constexpr int stages(bool hopper) { return pipeline_stages(kStageBytes, kScaleBytes, hopper); }
+  static constexpr int smem_bytes(bool hopper) {
+    return stages(hopper) * kStageBytes + kColBytes + kScaleBytes;
+  }
+
   // Shared-memory row of block slot s (0..31): ldmatrix matrix j reads rows 8j..8j+7, and the
   // MMA k order it yields must match the sparse fragment's (see the file comment).
   __device__ static __forceinline__ int smem_row(int s) {
@@ -123,18 +154,53 @@ __device__ __forceinline__ uint2 lds64(uint32_t addr) {
   return v;
 }
 
+__device__ __forceinline__ float to_float(int x) { return __int2float_rn(x); }
+__device__ __forceinline__ float to_float(int64_t x) { return __ll2float_rn(x); }
+
+// W consecutive output elements of one row starting at column c (< ncols when vec): one vector
+// store when the row layout keeps it aligned (vec: N % W == 0), else element by element.
+template <int W, typename T>
+__device__ __forceinline__ void store_run(T* row, int c, int ncols, bool vec, const T (&x)[W]) {
+  if (vec) {
+    if (c >= ncols) return;
+    if constexpr (W == 1) {
+      row[c] = x[0];
+    } else if constexpr (sizeof(T) == 2 && W == 2) {
+      *reinterpret_cast<__half2*>(row + c) = __halves2half2(x[0], x[1]);
+    } else if constexpr (sizeof(T) == 2 && W == 4) {
+      *reinterpret_cast<uint2*>(row + c) =
+          make_uint2(__half_as_ushort(x[0]) | (uint32_t)__half_as_ushort(x[1]) << 16,
+                     __half_as_ushort(x[2]) | (uint32_t)__half_as_ushort(x[3]) << 16);
+    } else {
+#pragma unroll
+      for (int i = 0; i < W; i += 2) *reinterpret_cast<longlong2*>(row + c + i) = make_longlong2(x[i], x[i + 1]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < W; ++i)
+      if (c + i < ncols) row[c + i] = x[i];
+  }
+}
+
 template <int AB, bool AS, int BB, bool FAST>
 __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   using K = Kind<AB, AS, BB>;
   constexpr int kTileBytes = K::kTileBytes;
   constexpr int kChunks = K::kChunks;
   constexpr int kCopyRows = K::kCopyRows;
-  constexpr int kDenseStage = kSlots * kTileBytes;
-  constexpr int kSparseStage = 8 * K::kSparseRowBytes;
-  constexpr int kStageBytes = kDenseStage + kSparseStage;
-  constexpr int kOutBytes = 8 * K::kTileCols * 8;
-  constexpr int kSmem = kStages * kStageBytes > kOutBytes ? kStages * kStageBytes : kOutBytes;
-  __shared__ __align__(128) uint8_t smem[kSmem];
+  constexpr int kDenseStage = K::kDenseStage;
+  constexpr int kSparseStage = K::kSparseStage;
+  constexpr int kStageBytes = K::kStageBytes;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kHopper = true;
+#else
+  constexpr bool kHopper = false;
+#endif
+  constexpr int kStages = K::stages(kHopper);
+  constexpr int kColsOffset = kStages * kStageBytes;
+  constexpr int kScalesOffset = kColsOffset + kColBytes;
+  // Sized by the host from the device's major version (Kind::smem_bytes).
+  extern __shared__ __align__(128) uint8_t smem[];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -164,10 +230,17 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   }
   const int sparse_chunks = v * K::kSparseRowBytes / 16;
 
+  const int* cols_s = reinterpret_cast<const int*>(smem + kColsOffset);
   auto fetch_cols = [&](int blk, int (&c)[kCopyRows]) {
     if (blk < nblocks) {
+      // Two loops, not a select of the pointer: a shared and a global load, not generic ones.
+      if (blk < kColBlocks) {
 #pragma unroll
-      for (int q = 0; q < kCopyRows; ++q) c[q] = cols[blk * kSlots + cslot + kSlotStep * q];
+        for (int q = 0; q < kCopyRows; ++q) c[q] = cols_s[blk * kSlots + cslot + kSlotStep * q];
+      } else {
+#pragma unroll
+        for (int q = 0; q < kCopyRows; ++q) c[q] = cols[blk * kSlots + cslot + kSlotStep * q];
+      }
     }
   };
   auto issue = [&](int blk, const int (&c)[kCopyRows]) {
@@ -328,6 +401,25 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
     }
   };
 
+  // Row starts are multiples of the stride, so 16-byte pieces of the row's indices stay aligned.
+  for (int i = tid; i < min(nblocks, kColBlocks) * (kSlots / 4); i += kThreads)
+    cp_async16(smem0 + kColsOffset + 16 * i, cols + 4 * i, 16);
+  // The scales arrive with the indices, so the epilogue does not wait on L2 at the end; rows past
+  // v and columns past N read as 0.
+  if (p.scale_a != nullptr) {
+    const int tile_n0 = blockIdx.y * K::kTileCols;
+    const float* sa_src = p.scale_a + (int64_t)bh * p.m + (int64_t)vrow * v;
+    const float* sb_src = p.scale_b + (int64_t)bh * p.n + tile_n0;
+    for (int i = tid; i < 8 + K::kTileCols; i += kThreads) {
+      const bool in = i < 8 ? i < v : tile_n0 + i - 8 < p.n;
+      const float* src = i < 8 ? sa_src + i : sb_src + (i - 8);
+      cp_async4(smem0 + kScalesOffset + 4 * i, in ? src : p.scale_a, in ? 4 : 0);
+    }
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
   // Pipeline: blocks it+1 .. it+kStages-1 are in flight while block it is computed.
   int next_cols[kCopyRows];
 #pragma unroll
@@ -356,51 +448,96 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
       }
     }
   }
-  cp_async_wait<0>();
-  __syncthreads();
+  // Every block that carried data was waited for in the loop, and the epilogue reads only the
+  // staged scales, which no stage overwrites, so no barrier remains.
+  //
+  // Epilogue straight from the accumulator fragments: element j of m-tile mt is output row
+  // 2t + (j & 1) of the vector row and warp-tile column tile_col(mt, g + 8 * (j >> 1)). v is even,
+  // so a thread's two rows are both live or both not.
+  const int n0 = blockIdx.y * K::kTileCols + wchunk0 * K::kColsPerChunk;
+  const int ncols = p.n - n0;
+  const bool rows_live = 2 * t < v;
+  const int64_t orow = (int64_t)bh * p.m + (int64_t)vrow * v + 2 * t;
+  auto col_of = [&](int mt, int j) { return K::tile_col(mt, g + 8 * (j >> 1)); };
 
-  // Epilogue: stage the V x tile result in shared memory, then write whole rows coalesced.
-  const int tile_col0 = wchunk0 * K::kColsPerChunk;
-  if constexpr (K::kFp16) {
-    float* stage_out = reinterpret_cast<float*>(smem);
+  // Stores fragment elements that are adjacent columns of one output row as one vector: (j, j+2)
+  // for 8-bit B; (2c, j), (2c+1, j), (2c, j+2), (2c+1, j+2) for 4-bit B. 16-bit and fp16 B hold
+  // columns g and g + 8, so neighbouring lanes swap halves to form pairs (int64 is stored singly).
+  auto store = [&](auto&& value) {
+    using T = std::remove_cv_t<std::remove_reference_t<decltype(value(0, 0))>>;
+    T* out = reinterpret_cast<T*>(p.out);
+    if constexpr (BB == 8 || BB == 4) {
+      constexpr int W = BB == 8 ? 2 : 4;
+      const bool vec = p.n % W == 0;
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
+      for (int c = 0; c < kMT * 2 / W; ++c)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int col = 2 * t + (j & 1);
-        if (col < v) stage_out[col * K::kTileCols + tile_col0 + K::tile_col(mt, g + 8 * (j >> 1))] = accf[mt][j];
+        for (int r = 0; r < 2; ++r) {
+          T x[W];
+          if constexpr (W == 2) {
+            x[0] = value(c, r);
+            x[1] = value(c, r + 2);
+          } else {
+            x[0] = value(2 * c, r);
+            x[1] = value(2 * c + 1, r);
+            x[2] = value(2 * c, r + 2);
+            x[3] = value(2 * c + 1, r + 2);
+          }
+          if (rows_live) store_run<W>(out + (orow + r) * p.n + n0, col_of(W == 2 ? c : 2 * c, 0), ncols, vec, x);
+        }
+    } else if constexpr (sizeof(T) == 2) {
+      const bool vec = p.n % 2 == 0;
+      const bool odd = g & 1;
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        const T h[4] = {value(mt, 0), value(mt, 1), value(mt, 2), value(mt, 3)};
+        const __half2 mine = odd ? __halves2half2(h[0], h[1]) : __halves2half2(h[2], h[3]);
+        const __half2 y = __shfl_xor_sync(0xffffffffu, mine, 4);
+        const T yr[2] = {__low2half(y), __high2half(y)};
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const T x[2] = {odd ? yr[r] : h[r], odd ? h[r + 2] : yr[r]};
+          if (rows_live) store_run<2>(out + (orow + r) * p.n + n0, col_of(mt, 0) + (odd ? 7 : 0), ncols, vec, x);
+        }
       }
-  } else {
-    fold();
-    int64_t* stage_out = reinterpret_cast<int64_t*>(smem);
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int col = 2 * t + (j & 1);
-        if (col < v)
-          stage_out[col * K::kTileCols + tile_col0 + K::tile_col(mt, g + 8 * (j >> 1))] = wide[mt][j] >> K::kShift;
-      }
-  }
-  __syncthreads();
-
-  const int n0 = blockIdx.y * K::kTileCols;
-  const int ncols = min(K::kTileCols, p.n - n0);
-  const int64_t row0 = (int64_t)bh * p.m + (int64_t)vrow * v;
-  for (int idx = tid; idx < v * K::kTileCols; idx += kThreads) {
-    const int r = idx / K::kTileCols, c = idx % K::kTileCols;
-    if (c >= ncols) continue;
-    const int64_t o = (row0 + r) * p.n + n0 + c;
-    if constexpr (K::kFp16) {
-      reinterpret_cast<__half*>(p.out)[o] = __float2half_rn(reinterpret_cast<const float*>(smem)[idx]);
     } else {
-      const int64_t x = reinterpret_cast<const int64_t*>(smem)[idx];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const T x[1] = {value(mt, j)};
+          if (rows_live) store_run<1>(out + (orow + (j & 1)) * p.n + n0, col_of(mt, j), ncols, true, x);
+        }
+    }
+  };
+
+  if constexpr (K::kFp16) {
+    store([&](int mt, int j) { return __float2half_rn(accf[mt][j]); });
+  } else {
+    auto dequantize = [&](auto&& integer) {
       if (p.out_int64) {
-        reinterpret_cast<int64_t*>(p.out)[o] = x;
+        store([&](int mt, int j) { return static_cast<int64_t>(integer(mt, j)); });
       } else {
-        const float s = p.scale_a[row0 + r] * p.scale_b[(int64_t)bh * p.n + n0 + c];
-        reinterpret_cast<__half*>(p.out)[o] = __float2half_rn(__ll2float_rn(x) * s);
+        const float* scales_s = reinterpret_cast<const float*>(smem + kScalesOffset);
+        const float* sb_s = scales_s + 8 + wchunk0 * K::kColsPerChunk;
+        const float sa[2] = {scales_s[2 * t], scales_s[2 * t + 1]};
+        float sb[kMT][2];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) sb[mt][h] = sb_s[col_of(mt, 2 * h)];
+        store([&](int mt, int j) {
+          return __float2half_rn(to_float(integer(mt, j)) * (sa[j & 1] * sb[mt][j >> 1]));
+        });
       }
+    };
+    // A single-plane accumulator that was never folded (the loop folds after kFlushBlocks
+    // blocks) holds the exact result in int32.
+    if (K::kAPlanes * K::kBPlanes == 1 && nblocks < kFlushBlocks) {
+      dequantize([&](int mt, int j) { return acc[0][0][mt][j] >> K::kShift; });
+    } else {
+      fold();
+      dequantize([&](int mt, int j) { return wide[mt][j] >> K::kShift; });
     }
   }
 }
