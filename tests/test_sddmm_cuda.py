@@ -111,10 +111,11 @@ def test_fp16_within_fp32_accumulation_bound(kernels, v):
 @pytest.mark.parametrize("bits", [16, 8, 4, 0])
 def test_rows_of_every_block_count(kernels, bits, v):
     """A warp streams all blocks of one vector row, the next block's loads in flight: rows of
-    0 to 8 blocks (odd and even counts, full and partial last blocks), taken in a random
-    row_order; K = 64 is one k step a block (the operand row held), K = 160 several."""
+    0 to 9 blocks (odd and even counts, full and partial last blocks), taken in a random
+    row_order; K = 64 is one k step a block (the operand row held), K = 160 several. 53 vector
+    rows: more than two CTAs' worth of warps."""
     n = 8 * 32 + 5
-    counts = [0, 1, 31, 32, 33, 64, 65, 96, 100, 150, 224, 229, n, 3, 0, 40, 17]
+    counts = [0, 1, 31, 32, 33, 64, 65, 96, 100, 150, 224, 229, n, 3, 0, 40, 17] * 3 + [5, 70]
     g = torch.Generator().manual_seed(10 * bits + v)
     mask = torch.zeros(len(counts), n, dtype=torch.bool)
     for i, c in enumerate(counts):
