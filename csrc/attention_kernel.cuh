@@ -168,6 +168,14 @@ __device__ __forceinline__ uint32_t pack_half2(__half a, __half b) {
 __device__ __forceinline__ float half_lo(uint32_t h) { return __half2float(__ushort_as_half(h & 0xFFFFu)); }
 __device__ __forceinline__ float half_hi(uint32_t h) { return __half2float(__ushort_as_half(h >> 16)); }
 
+// 2^x in one MUFU op; results below 2^-126 flush to 0, which every probability rounds to anyway
+// (quantized: e * qmax < 0.5; fp16: below its subnormals).
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 template <int OP, int PB, int D, int DV>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   using C = Cfg<OP, PB, D, DV>;
@@ -394,14 +402,18 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
 
   // e = exp(x - max) of the kept slots (0 elsewhere). x and x - max are rounded separately, as
   // the reference does: an FMA contraction would move quantized probabilities across a rounding
-  // boundary.
+  // boundary. exp(d) = 2^(d log2 e): the product's rounding moves e by at most |d| 2^-24 relative
+  // (e |d| <= 1/e), ex2.approx by 2 ulp, about what expf itself allows. Computed for every slot
+  // and selected, not branched on: padding and dead rows may give inf or NaN, which the select drops.
+  constexpr float kLog2e = 1.4426950408889634f;
   auto block_exp = [&](const uint32_t (&h)[4], uint32_t bits, float (&e)[4][2]) {
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const float x0 = __fsub_rn(__fmul_rn(half_lo(h[n]), softmax_scale), row_max);
       const float x1 = __fsub_rn(__fmul_rn(half_hi(h[n]), softmax_scale), row_max);
-      e[n][0] = (bits >> (2 * n) & 1u) ? expf(x0) : 0.f;
-      e[n][1] = (bits >> (2 * n + 1) & 1u) ? expf(x1) : 0.f;
+      const float y0 = ex2(__fmul_rn(x0, kLog2e)), y1 = ex2(__fmul_rn(x1, kLog2e));
+      e[n][0] = (bits >> (2 * n) & 1u) ? y0 : 0.f;
+      e[n][1] = (bits >> (2 * n + 1) & 1u) ? y1 : 0.f;
     }
   };
 
