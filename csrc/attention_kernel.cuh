@@ -298,10 +298,6 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     int col_l;
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(col_l) : "r"(tile + C::kMetaOffset + lane * 4));
     const bool live_l = col_l >= 0 && col_l < p.n;
-    float sk_l = 0.f;
-    if constexpr (!C::kFp16) {
-      asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(sk_l) : "r"(tile + C::kMetaOffset + kSlots * 4 + lane * 4));
-    }
     const uint32_t live_mask = __ballot_sync(0xffffffffu, live_l);
     QkAcc<OP> acc[4];
 #pragma unroll
@@ -335,6 +331,13 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     bits = 0;
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
+      // The key scales of the lane's two slots 8n + 2t, 8n + 2t + 1 are adjacent in the meta.
+      float sk2[2] = {0.f, 0.f};
+      if constexpr (!C::kFp16) {
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                     : "=f"(sk2[0]), "=f"(sk2[1])
+                     : "r"(tile + C::kMetaOffset + (kSlots + 8 * n + 2 * t) * 4));
+      }
       __half hv[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
@@ -343,7 +346,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
         if constexpr (C::kFp16) {
           hv[e] = __float2half_rn(acc[n].d[e]);
         } else {
-          const float sk = __shfl_sync(0xffffffffu, sk_l, slot);
+          const float sk = sk2[e];
           int64_t q = acc[n].d[e];
           if constexpr (OP == kInt16) {
             q = q * 65536 + static_cast<int64_t>(acc[n].x[e]) * 256 + acc[n].ll[e];
