@@ -80,14 +80,14 @@ struct Cfg {
   // +16 bytes per shared row: 8 consecutive rows of one 16-byte column hit 8 distinct bank groups.
   static constexpr int kRowStride = (kKeyBytes > kValBytes ? kKeyBytes : kValBytes) + 16;
   static constexpr int kStages = kRowStride > 160 ? 2 : 3;
-  // A tile: 32 gathered rows, then (key tiles) the 32 column indices and key scales.
+  // A tile: 32 gathered rows, then (key tiles) the 32 key scales and the mask of live slots.
   static constexpr int kMetaOffset = kSlots * kRowStride;
-  static constexpr int kTileBytes = kMetaOffset + kSlots * 8;
+  static constexpr int kTileBytes = kMetaOffset + kSlots * 4 + 16;
   static constexpr int kPPlanes = PB == 16 ? 2 : 1;
   static constexpr int kVPlanes = OP == kInt16 ? 2 : 1;
   static constexpr int kAccSets = kPPlanes == 2 && kVPlanes == 2 ? 3 : kPPlanes * kVPlanes;
   static constexpr int kMT = DV / 16;
-  static constexpr int kCacheWords = 5;  // per lane and block: 4 half2 scores + the kept bits
+  static constexpr int kCacheWords = 6;  // per lane and block: 4 half2 scores, the kept bits, a copy column
   static constexpr int kCacheBlockBytes = kWarps * kCacheWords * 32 * 4;  // one block per warp
   static constexpr int kShift = OP == kInt4 ? 4 : 0;
   static constexpr int kStageSmem = kWarps * kStages * kTileBytes;
@@ -214,91 +214,122 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     qw.set(raw);
   }
 
-  // ---- The warp's tile stream: pass 1 key tiles, [fp16: uncached key tiles], pass 2 value tiles
-  // (preceded by their key tile past the cache). Entry i -> (local block j, value tile?).
-  const int entries = nbw + (C::kFp16 ? nu : 0) + nc + 2 * nu;
-  auto entry = [&](int i, int& j, bool& is_val) {
-    if (i < nbw) { j = i; is_val = false; return; }
-    i -= nbw;
-    if constexpr (C::kFp16) {
-      if (i < nu) { j = p.cached + i; is_val = false; return; }
-      i -= nu;
-    }
-    if (i < nc) { j = i; is_val = true; return; }
-    i -= nc;
-    j = p.cached + (i >> 1);
-    is_val = i & 1;
-  };
-  const uint32_t ring = smem_addr(smem) + warp * C::kStages * C::kTileBytes;
-  const int64_t slot_base = start;
-  auto copy_tile = [&](uint32_t dst, const uint8_t* base, int col_l, auto row_bytes_tag) {
-    constexpr int RB = decltype(row_bytes_tag)::value;
-    constexpr int CPR = RB / 16;
+  // ---- The warp's tile stream, in the order the tiles are consumed: pass 1 key tiles of blocks
+  // 0..nbw-1 (phase 0); fp16: the key tiles past the cache again (phase 1); pass 2 value tiles of
+  // the cached blocks (phase 2); then key and value tile of each block past the cache (phase 3).
+  // The issue side runs kStages - 1 tiles ahead of the consumer and walks the same order.
+  //
+  // Copy map: a lane copies rows r0 = lane / 2 and r1 = 16 + lane / 2 of a tile, 16-byte chunks
+  // 2u + (lane & 1), so two lanes fill whole 32-byte sectors of a row (16-byte rows: row `lane`).
+  // A lane's source addresses are then its two columns times the row bytes, the same for the key
+  // and the value tile of a block: pass 1 keeps each lane's pair half in the score cache and pass 2
+  // rereads the pair, with no column reload or shuffle.
+  static_assert(C::kKeyBytes == C::kValBytes, "key and value tiles share their copy offsets");
+  constexpr int RB = C::kKeyBytes;
+  constexpr int CPR = RB / 16;
+  constexpr int kRows = CPR == 1 ? 1 : 2;
+  constexpr int kChunks = CPR == 1 ? 1 : CPR / 2;
+  const int lane_chunk = CPR == 1 ? 0 : (lane & 1);
+  uint32_t row_dst[kRows];
 #pragma unroll
-    for (int u = 0; u < CPR; ++u) {
-      const int idx = lane + 32 * u;
-      const int r = idx / CPR, ch = idx % CPR;
-      const int c = __shfl_sync(0xffffffffu, col_l, r);
-      const bool live = c >= 0 && c < p.n;
-      cp_async16(dst + r * C::kRowStride + ch * 16, live ? base + static_cast<int64_t>(c) * RB + ch * 16 : base,
-                 live ? 16 : 0);
+  for (int k = 0; k < kRows; ++k)
+    row_dst[k] = (CPR == 1 ? lane : 16 * k + (lane >> 1)) * C::kRowStride + lane_chunk * 16;
+  const uint8_t* const key_base = p.k + bh * p.n * RB + lane_chunk * 16;
+  const uint8_t* const val_base = p.val + bh * p.n * RB + lane_chunk * 16;
+  const float* const sk_base = p.scale_k + bh * p.n;
+  const int* const warp_cols = p.col_idx + start + warp * kSlots + lane;  // + block * kWarps * kSlots
+  const uint32_t n_cols = static_cast<uint32_t>(p.n);
+  const uint32_t ring = smem_addr(smem) + warp * C::kStages * C::kTileBytes;
+  const uint32_t ring_end = ring + C::kStages * C::kTileBytes;
+  // Score cache, per lane and block: 4 half2 scores, the kept bits, the lane's copy column.
+  uint32_t* cache = reinterpret_cast<uint32_t*>(smem + C::kStageSmem) + warp * p.cached * C::kCacheWords * 32;
+  const uint32_t cache_cols = smem_addr(cache) + 5 * 32 * 4 + (kRows == 2 ? (lane & ~1) : lane) * 4;
+
+  auto copy_tile = [&](uint32_t dst, const uint8_t* base, const int (&c)[kRows]) {
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      const bool live = static_cast<uint32_t>(c[k]) < n_cols;
+      const uint8_t* src = base + static_cast<uint64_t>(live ? static_cast<uint32_t>(c[k]) : 0u) * RB;
+#pragma unroll
+      for (int u = 0; u < kChunks; ++u) cp_async16(dst + row_dst[k] + 32 * u, src + 32 * u, live ? 16 : 0);
     }
   };
-  // The column indices of the entry after the one being issued are loaded one step ahead, so
-  // the gather addresses never wait on a dependent load.
-  int pf_col = -1;
-  auto prefetch_cols = [&](int i) {
-    if (i < entries) {
-      int j;
-      bool is_val;
-      entry(i, j, is_val);
-      pf_col = p.col_idx[slot_base + static_cast<int64_t>(warp + j * kWarps) * kSlots + lane];
+  // The columns of slot `lane` of the next key tile to issue, loaded one key tile ahead so the
+  // gather addresses never wait on a dependent load.
+  int pf_col = nbw > 0 ? warp_cols[0] : -1;
+  int cur_cols[kRows];  // copy columns of the last key tile issued (its value tile follows in phase 3)
+  auto issue_key = [&](uint32_t dst, int j, int phase) {
+    const int col_l = pf_col;
+    if constexpr (kRows == 2) {
+      cur_cols[0] = __shfl_sync(0xffffffffu, col_l, lane >> 1);
+      cur_cols[1] = __shfl_sync(0xffffffffu, col_l, 16 + (lane >> 1));
+    } else {
+      cur_cols[0] = col_l;
     }
+    copy_tile(dst, key_base, cur_cols);
+    // Slot metadata for the scores: the key scales and the mask of live slots.
+    const bool live = static_cast<uint32_t>(col_l) < n_cols;
+    const uint32_t live_mask = __ballot_sync(0xffffffffu, live);
+    if constexpr (!C::kFp16) cp_async4(dst + C::kMetaOffset + lane * 4, sk_base + (live ? col_l : 0), live ? 4 : 0);
+    if (lane == 0) asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dst + C::kMetaOffset + kSlots * 4), "r"(live_mask));
+    if (phase == 0 && j < p.cached) {
+      const int mine = kRows == 2 && (lane & 1) ? cur_cols[kRows - 1] : cur_cols[0];
+      cache[j * C::kCacheWords * 32 + 5 * 32 + lane] = static_cast<uint32_t>(mine);
+    }
+    const int next = j + 1 < nbw ? j + 1 : (phase != 3 && nu > 0 ? p.cached : -1);
+    if (next >= 0) pf_col = warp_cols[next * kWarps * kSlots];
   };
-  auto issue = [&](int i) {
-    if (i < entries) {
-      int j;
-      bool is_val;
-      entry(i, j, is_val);
-      const int col_l = pf_col;
-      const uint32_t dst = ring + (i % C::kStages) * C::kTileBytes;
-      if (is_val) {
-        copy_tile(dst, p.val + bh * p.n * C::kValBytes, col_l, std::integral_constant<int, C::kValBytes>{});
+  int iss_phase = 0, iss_j = 0;
+  bool iss_val = false;  // phase 3: the value tile of block iss_j is next
+  auto settle = [&]() {
+    if (iss_phase == 0 && iss_j >= nbw) { iss_phase = 1; iss_j = p.cached; }
+    if (iss_phase == 1 && (!C::kFp16 || iss_j >= nbw)) { iss_phase = 2; iss_j = 0; }
+    if (iss_phase == 2 && iss_j >= nc) { iss_phase = 3; iss_j = p.cached; }
+    if (iss_phase == 3 && iss_j >= nbw) iss_phase = 4;
+  };
+  settle();
+  uint32_t iss_dst = ring;
+  auto issue = [&]() {
+    if (iss_phase == 2) {
+      int c[kRows];
+      const uint32_t at = cache_cols + iss_j * C::kCacheWords * 32 * 4;
+      if constexpr (kRows == 2) {
+        asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(c[0]), "=r"(c[1]) : "r"(at));
       } else {
-        copy_tile(dst, p.k + bh * p.n * C::kKeyBytes, col_l, std::integral_constant<int, C::kKeyBytes>{});
-        // Slot metadata for the scores: the column (a lane reads back its own) and the key scale.
-        const uint32_t meta = dst + C::kMetaOffset + lane * 4;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(meta), "r"(col_l));
-        if constexpr (!C::kFp16) {
-          const bool live = col_l >= 0 && col_l < p.n;
-          const float* src = p.scale_k + bh * p.n + (live ? col_l : 0);
-          cp_async4(meta + kSlots * 4, src, live ? 4 : 0);
-        }
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(c[0]) : "r"(at));
       }
+      copy_tile(iss_dst, val_base, c);
+      ++iss_j;
+    } else if (iss_phase == 3 && iss_val) {
+      copy_tile(iss_dst, val_base, cur_cols);
+      iss_val = false;
+      ++iss_j;
+    } else if (iss_phase < 4) {
+      issue_key(iss_dst, iss_j, iss_phase);
+      if (iss_phase == 3) iss_val = true;
+      else ++iss_j;
     }
     cp_async_commit();
-    prefetch_cols(i + 1);
+    settle();
+    iss_dst = iss_dst + C::kTileBytes == ring_end ? ring : iss_dst + C::kTileBytes;
   };
-  int cursor = 0;
+  uint32_t rd_tile = ring;
   auto next_tile = [&]() -> uint32_t {
     cp_async_wait<C::kStages - 2>();
     __syncwarp();
-    issue(cursor + C::kStages - 1);
-    const uint32_t tile = ring + (cursor % C::kStages) * C::kTileBytes;
-    ++cursor;
+    issue();
+    const uint32_t tile = rd_tile;
+    rd_tile = rd_tile + C::kTileBytes == ring_end ? ring : rd_tile + C::kTileBytes;
     return tile;
   };
-  prefetch_cols(0);
 #pragma unroll
-  for (int s = 0; s < C::kStages - 1; ++s) issue(s);
+  for (int s = 0; s < C::kStages - 1; ++s) issue();
 
   // ---- Scores of one block: h[n] holds the fp16 scores of row g at slots 8n + 2t, 8n + 2t + 1
   // (low, high half); bit 2n + e of `bits` says whether slot 8n + 2t + e is kept.
   auto block_scores = [&](uint32_t tile, uint32_t (&h)[4], uint32_t& bits) {
-    int col_l;
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(col_l) : "r"(tile + C::kMetaOffset + lane * 4));
-    const bool live_l = col_l >= 0 && col_l < p.n;
-    const uint32_t live_mask = __ballot_sync(0xffffffffu, live_l);
+    uint32_t live_mask;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(live_mask) : "r"(tile + C::kMetaOffset + kSlots * 4));
     QkAcc<OP> acc[4];
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
@@ -336,7 +367,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       if constexpr (!C::kFp16) {
         asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
                      : "=f"(sk2[0]), "=f"(sk2[1])
-                     : "r"(tile + C::kMetaOffset + (kSlots + 8 * n + 2 * t) * 4));
+                     : "r"(tile + C::kMetaOffset + (8 * n + 2 * t) * 4));
       }
       __half hv[2];
 #pragma unroll
@@ -369,7 +400,6 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   };
 
   // ---- Pass 1: scores (cached in shared memory for the first `cached` blocks) and the row max.
-  uint32_t* cache = reinterpret_cast<uint32_t*>(smem + C::kStageSmem) + warp * p.cached * C::kCacheWords * 32;
   auto cache_store = [&](int j, const uint32_t (&h)[4], uint32_t bits) {
     uint32_t* c = cache + j * C::kCacheWords * 32 + lane;
 #pragma unroll
