@@ -621,23 +621,35 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       }
       red[(warp * 8 + r) * DV + dv] = x;
     }
+  // A thread writes output columns c, c + 1 of rows r, r + 2 kThreads / DV, ...: its columns and
+  // their value scales are the same in every row, so the scales are loaded before the barrier.
+  static_assert((2 * kThreads) % DV == 0, "a thread keeps its output columns");
+  const int c0 = (2 * threadIdx.x) % DV;
+  float sv[2] = {0.f, 0.f};
+  if constexpr (!C::kFp16) {
+    sv[0] = p.scale_v[bh * DV + c0];
+    sv[1] = p.scale_v[bh * DV + c0 + 1];
+  }
   __syncthreads();
 
-  __half* out = p.out + qrow0 * DV;
-  for (int idx = threadIdx.x; idx < v * DV; idx += kThreads) {
-    const int r = idx / DV, c = idx - r * DV;
-    RedT tot = red[r * DV + c];
+  __half2* out = reinterpret_cast<__half2*>(p.out + qrow0 * DV);
+  for (int idx = 2 * threadIdx.x; idx < v * DV; idx += 2 * kThreads) {
+    const int r = idx / DV;
+    RedT tot[2] = {red[idx], red[idx + 1]};
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) tot += red[(w * 8 + r) * DV + c];
+    for (int w = 1; w < kWarps; ++w)
+#pragma unroll
+      for (int x = 0; x < 2; ++x) tot[x] += red[w * 8 * DV + idx + x];
     if constexpr (C::kFp16) {
-      out[idx] = __float2half_rn(tot);
+      out[idx / 2] = __floats2half2_rn(tot[0], tot[1]);
     } else {
       constexpr float kQmax = static_cast<float>((1 << PB) - 1);
       float s = 0.f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) s += red_sum[w][r];
       const float rs = count == 0 ? 0.f : 1.f / (s * kQmax);
-      out[idx] = __float2half_rn(__ll2float_rn(tot) * (rs * p.scale_v[bh * DV + c]));
+      out[idx / 2] = __halves2half2(__float2half_rn(__ll2float_rn(tot[0]) * (rs * sv[0])),
+                                    __float2half_rn(__ll2float_rn(tot[1]) * (rs * sv[1])));
     }
   }
 }
