@@ -2,8 +2,12 @@
 // with the roundings of the three-op pipeline (fp16 scores as the SDDMM writes them, probabilities
 // quantized to p_bits unsigned or fp16, exact integer accumulation, one fp16 rounding at the end).
 //
-// One CTA = one vector row (V query rows sharing their kept keys) of one batch x head; its 4 warps
-// take the row's 32-slot blocks round-robin. Scores and probabilities never leave the SM.
+// Two layouts. Whole rows (the default): one warp = one vector row (V query rows sharing their kept
+// keys) of one batch x head, one CTA = that row for 4 consecutive batch x heads, which share the
+// row's column indices through L1; a warp owns its row, so there is no block barrier and no
+// cross-warp reduction. Split rows (SPLIT, for rows too long for one warp's exact int32
+// accumulators): one CTA = one vector row of one batch x head, its 4 warps take the row's 32-slot
+// blocks round-robin and reduce through shared memory. Scores and probabilities never leave the SM.
 //
 // Why this shape (Hopper, L = 4096, d = 64, sparsity 0.9: ~13 blocks per row):
 // - The kernel is bound by the L2 -> SM gather of key and value rows (both heads' K and V stay in
@@ -63,7 +67,7 @@ struct Params {
   const float* scale_k;    // [BH, N]
   const float* scale_v;    // [BH, DV]
   __half* out;             // [BH, M, DV]
-  int m, n, v;
+  int bh, m, n, v;
   int cached;              // blocks per warp whose scores stay in shared memory
   float softmax_scale;
 };
@@ -176,7 +180,7 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 
-template <int OP, int PB, int D, int DV>
+template <int OP, int PB, int D, int DV, bool SPLIT>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   using C = Cfg<OP, PB, D, DV>;
   constexpr int NW = C::kLaneWords;
@@ -187,13 +191,16 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
+  const int64_t bh = SPLIT ? blockIdx.y : static_cast<int64_t>(blockIdx.y) * kWarps + warp;
+  if (!SPLIT && bh >= p.bh) return;  // no block barrier in this layout
   const int vrow = p.row_order[blockIdx.x];
-  const int64_t bh = blockIdx.y;
   const int v = p.v;
   const int start = p.row_ptr[2 * vrow];
   const int count = p.row_ptr[2 * vrow + 1] - start;
   const int nb = (count + kSlots - 1) / kSlots;
-  const int nbw = nb > warp ? (nb - warp + kWarps - 1) / kWarps : 0;  // this warp's blocks
+  // This warp's blocks: block (SPLIT ? warp : 0) + j * kBlockStride for j < nbw.
+  constexpr int kBlockStride = SPLIT ? kWarps : 1;
+  const int nbw = !SPLIT ? nb : nb > warp ? (nb - warp + kWarps - 1) / kWarps : 0;
   const int nu = nbw > p.cached ? nbw - p.cached : 0;  // ... past the score cache
   const int nc = nbw - nu;
   const bool row_live = g < v;
@@ -237,7 +244,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   const uint8_t* const key_base = p.k + bh * p.n * RB + lane_chunk * 16;
   const uint8_t* const val_base = p.val + bh * p.n * RB + lane_chunk * 16;
   const float* const sk_base = p.scale_k + bh * p.n;
-  const int* const warp_cols = p.col_idx + start + warp * kSlots + lane;  // + block * kWarps * kSlots
+  const int* const warp_cols = p.col_idx + start + (SPLIT ? warp : 0) * kSlots + lane;  // + j * kBlockStride * kSlots
   const uint32_t n_cols = static_cast<uint32_t>(p.n);
   const uint32_t ring = smem_addr(smem) + warp * C::kStages * C::kTileBytes;
   const uint32_t ring_end = ring + C::kStages * C::kTileBytes;
@@ -277,7 +284,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       cache[j * C::kCacheWords * 32 + 5 * 32 + lane] = static_cast<uint32_t>(mine);
     }
     const int next = j + 1 < nbw ? j + 1 : (phase != 3 && nu > 0 ? p.cached : -1);
-    if (next >= 0) pf_col = warp_cols[next * kWarps * kSlots];
+    if (next >= 0) pf_col = warp_cols[next * kBlockStride * kSlots];
   };
   int iss_phase = 0, iss_j = 0;
   bool iss_val = false;  // phase 3: the value tile of block iss_j is next
@@ -427,11 +434,14 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   }
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  if (t == 0) red_max[warp][g] = mx;
-  __syncthreads();
-  float row_max = red_max[0][g];
+  float row_max = mx;
+  if constexpr (SPLIT) {
+    if (t == 0) red_max[warp][g] = mx;
+    __syncthreads();
+    row_max = red_max[0][g];
 #pragma unroll
-  for (int w = 1; w < kWarps; ++w) row_max = fmaxf(row_max, red_max[w][g]);
+    for (int w = 1; w < kWarps; ++w) row_max = fmaxf(row_max, red_max[w][g]);
+  }
 
   // e = exp(x - max) of the kept slots (0 elsewhere). x and x - max are rounded separately, as
   // the reference does: an FMA contraction would move quantized probabilities across a rounding
@@ -468,10 +478,14 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     }
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    if (t == 0) red_sum[warp][g] = sum;
-    __syncthreads();
+    if constexpr (SPLIT) {
+      if (t == 0) red_sum[warp][g] = sum;
+      __syncthreads();
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) row_sum += red_sum[w][g];
+      for (int w = 0; w < kWarps; ++w) row_sum += red_sum[w][g];
+    } else {
+      row_sum = sum;
+    }
   }
 
   // ---- Pass 2: probabilities and O^T += V^T P^T.
@@ -587,17 +601,58 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   if constexpr (!C::kFp16) {
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    if (t == 0) red_sum[warp][g] = sum;
+    if (SPLIT && t == 0) red_sum[warp][g] = sum;
   }
-  cp_async_wait<0>();
-  __syncthreads();  // every warp is done with its ring: the reduction reuses it
 
-  // ---- Cross-warp reduction of the V x DV partial outputs, then one rounding to fp16.
+  // The output element of accumulator (mt, e): query row 2t + (e & 1), column dv_of(mt, g + 8 (e >> 1)).
   auto dv_of = [](int mt, int rr) {
     if constexpr (OP == kInt8) return 16 * mt + 2 * (rr & 7) + (rr >> 3);
     else if constexpr (OP == kInt4) return 32 * (mt >> 1) + 4 * (rr & 7) + 2 * (rr >> 3) + (mt & 1);
     else return 16 * mt + rr;
   };
+  // The exact integer output of accumulator (mt, e), its planes recombined.
+  auto total = [&](int mt, int e) {
+    int64_t w = 0;
+#pragma unroll
+    for (int s = 0; s < C::kAccSets; ++s) {
+      const int sh = C::kAccSets == 1 ? 0 : 8 * (C::kAccSets - 1 - s);
+      w += static_cast<int64_t>(acc[s][mt][e]) << sh;
+    }
+    return w >> C::kShift;
+  };
+
+  if constexpr (!SPLIT) {
+    // The warp owns the whole row: round its accumulators straight to the output. The row sums
+    // sit with the lanes of g = row.
+    constexpr float kQmax = static_cast<float>((1 << PB) - 1);
+    float rs[2] = {0.f, 0.f};
+    if constexpr (!C::kFp16) {
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const float s = __shfl_sync(0xffffffffu, sum, 4 * (2 * t + x));
+        rs[x] = count == 0 ? 0.f : 1.f / (s * kQmax);
+      }
+    }
+    __half* out = p.out + qrow0 * DV;
+#pragma unroll
+    for (int mt = 0; mt < C::kMT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 2 * t + (e & 1);
+        if (r >= v) continue;
+        const int dv = dv_of(mt, g + 8 * (e >> 1));
+        if constexpr (C::kFp16) {
+          out[r * DV + dv] = __float2half_rn(acc[0][mt][e]);
+        } else {
+          out[r * DV + dv] = __float2half_rn(__ll2float_rn(total(mt, e)) * (rs[e & 1] * p.scale_v[bh * DV + dv]));
+        }
+      }
+    return;
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with its ring: the reduction reuses it
+
+  // ---- Cross-warp reduction of the V x DV partial outputs, then one rounding to fp16.
   using RedT = typename std::conditional<C::kFp16, float, int64_t>::type;
   RedT* red = reinterpret_cast<RedT*>(smem);
 #pragma unroll
@@ -611,13 +666,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       if constexpr (C::kFp16) {
         x = acc[0][mt][e];
       } else {
-        int64_t w = 0;
-#pragma unroll
-        for (int s = 0; s < C::kAccSets; ++s) {
-          const int sh = C::kAccSets == 1 ? 0 : 8 * (C::kAccSets - 1 - s);
-          w += static_cast<int64_t>(acc[s][mt][e]) << sh;
-        }
-        x = w >> C::kShift;
+        x = total(mt, e);
       }
       red[(warp * 8 + r) * DV + dv] = x;
     }
