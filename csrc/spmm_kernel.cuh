@@ -16,15 +16,15 @@
 // small), so the pipeline keeps several blocks in flight per CTA (five on Hopper, whose shared
 // memory holds 6 stages for each of 4 CTAs per SM; three elsewhere) with several CTAs per SM. The
 // row's column indices are staged in shared memory in the prologue (and those of the next block
-// read one step ahead into registers), so the gather addresses never wait on an L2 round trip. The
-// epilogue dequantizes and stores straight from the accumulator fragments. The online transpose of
-// the gathered tile happens on the way out of shared memory: ldmatrix.trans transposes byte pairs
-// and one prmt per register finishes the 8-bit transpose (16-bit planes fall out of the same prmt).
-// Slots are placed in shared memory rows so that each ldmatrix 8x8 matrix reads 8 consecutive rows,
-// and the 16-byte chunks are XOR-swizzled with the row so those reads and the cp.async writes are
-// bank-conflict free. Because the MMA's k order is free as long as both operands agree, the sparse
-// fragment is loaded in whatever order its container makes cheapest (no int4 column shuffle is
-// needed; the kernel works on shuffled and unshuffled patterns alike).
+// read one step ahead into registers), so the gather addresses never wait on an L2 round trip.
+// The epilogue dequantizes and stores straight from the accumulator fragments. The online transpose of the gathered tile happens on
+// the way out of shared memory: ldmatrix.trans transposes byte pairs and one prmt per register
+// finishes the 8-bit transpose (16-bit planes fall out of the same prmt). Slots are placed in
+// shared memory rows so that each ldmatrix 8x8 matrix reads 8 consecutive rows, and the 16-byte
+// chunks are XOR-swizzled with the row so those reads and the cp.async writes are bank-conflict
+// free. Because the MMA's k order is free as long as both operands agree, the sparse fragment is
+// loaded in whatever order its container makes cheapest (no int4 column shuffle is needed; the
+// kernel works on shuffled and unshuffled patterns alike).
 //
 // Wide operands: 16-bit values are two byte planes, x = hi * 256 + lo (hi signed, or unsigned for
 // u16; lo unsigned), multiplied plane by plane with mixed-signedness MMAs and recombined with
@@ -448,8 +448,8 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
       }
     }
   }
-  // Every block that carried data was waited for in the loop, and the epilogue reads only the
-  // staged scales, which no stage overwrites, so no barrier remains.
+  // Every block that carried data was waited for in the loop, and the epilogue reads no shared
+  // memory, so no barrier remains.
   //
   // Epilogue straight from the accumulator fragments: element j of m-tile mt is output row
   // 2t + (j & 1) of the vector row and warp-tile column tile_col(mt, g + 8 * (j >> 1)). v is even,
@@ -491,8 +491,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
         const T h[4] = {value(mt, 0), value(mt, 1), value(mt, 2), value(mt, 3)};
-        const __half2 mine = odd ? __halves2half2(h[0], h[1]) : __halves2half2(h[2], h[3]);
-        const __half2 y = __shfl_xor_sync(0xffffffffu, mine, 4);
+        const __half2 y = __shfl_xor_sync(0xffffffffu, odd ? __halves2half2(h[0], h[1]) : __halves2half2(h[2], h[3]), 4);
         const T yr[2] = {__low2half(y), __high2half(y)};
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
