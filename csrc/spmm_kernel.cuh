@@ -54,9 +54,8 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kFlushBlocks = 512;
 // Column indices of a row's first kColBlocks blocks are copied to shared memory up front, so the
 // gather addresses of those blocks wait on a shared load, not on an L2 round trip per block;
-// longer rows, which are dominated by streaming, read the rest from global memory. 31, not 32:
-// with the staged scales beside them, 6 stages of the 16-bit sparse kinds still fit on Hopper.
-constexpr int kColBlocks = 31;
+// longer rows, which are dominated by streaming, read the rest from global memory.
+constexpr int kColBlocks = 32;
 constexpr int kColBytes = kColBlocks * kSlots * 4;
 
 // Pipeline depth. Hopper: the deepest pipeline (at most kMaxStages) that still fits 4 CTAs in an
@@ -65,9 +64,9 @@ constexpr int kColBytes = kColBlocks * kSlots * 4;
 // 164 KB per SM and keep 4 stages, which still fits 4 CTAs there.
 constexpr int kMaxStages = 8;
 constexpr int kHopperSmemPerCta = 228 * 1024 / 4 - 1024;
-constexpr int pipeline_stages(int stage_bytes, int scale_bytes, bool hopper) {
+constexpr int pipeline_stages(int stage_bytes, bool hopper) {
   if (!hopper) return 4;
-  const int fit = (kHopperSmemPerCta - kColBytes - scale_bytes) / stage_bytes;
+  const int fit = (kHopperSmemPerCta - kColBytes) / stage_bytes;
   return fit < kMaxStages ? fit : kMaxStages;
 }
 
@@ -109,15 +108,12 @@ struct Kind {
   static constexpr int kShift = (AB == 4 ? 4 : 0) + (BB == 4 ? 4 : 0);
 
   // Shared memory: the pipeline stages (32 gathered dense rows, then the sparse V x 32 block),
-  // the staged column indices, then the scales of the CTA's 8 rows and kTileCols columns.
+  // then the staged column indices.
   static constexpr int kDenseStage = kSlots * kTileBytes;
   static constexpr int kSparseStage = 8 * kSparseRowBytes;
   static constexpr int kStageBytes = kDenseStage + kSparseStage;
-  static constexpr int kScaleBytes = (8 + kTileCols) * 4;
-  static constexpr int stages(bool hopper) { return pipeline_stages(kStageBytes, kScaleBytes, hopper); }
-  static constexpr int smem_bytes(bool hopper) {
-    return stages(hopper) * kStageBytes + kColBytes + kScaleBytes;
-  }
+  static constexpr int stages(bool hopper) { return pipeline_stages(kStageBytes, hopper); }
+  static constexpr int smem_bytes(bool hopper) { return stages(hopper) * kStageBytes + kColBytes; }
 
   // Shared-memory row of block slot s (0..31): ldmatrix matrix j reads rows 8j..8j+7, and the
   // MMA k order it yields must match the sparse fragment's (see the file comment).
@@ -198,7 +194,6 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
 #endif
   constexpr int kStages = K::stages(kHopper);
   constexpr int kColsOffset = kStages * kStageBytes;
-  constexpr int kScalesOffset = kColsOffset + kColBytes;
   // Sized by the host from the device's major version (Kind::smem_bytes).
   extern __shared__ __align__(128) uint8_t smem[];
 
@@ -404,18 +399,6 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   // Row starts are multiples of the stride, so 16-byte pieces of the row's indices stay aligned.
   for (int i = tid; i < min(nblocks, kColBlocks) * (kSlots / 4); i += kThreads)
     cp_async16(smem0 + kColsOffset + 16 * i, cols + 4 * i, 16);
-  // The scales arrive with the indices, so the epilogue does not wait on L2 at the end; rows past
-  // v and columns past N read as 0.
-  if (p.scale_a != nullptr) {
-    const int tile_n0 = blockIdx.y * K::kTileCols;
-    const float* sa_src = p.scale_a + (int64_t)bh * p.m + (int64_t)vrow * v;
-    const float* sb_src = p.scale_b + (int64_t)bh * p.n + tile_n0;
-    for (int i = tid; i < 8 + K::kTileCols; i += kThreads) {
-      const bool in = i < 8 ? i < v : tile_n0 + i - 8 < p.n;
-      const float* src = i < 8 ? sa_src + i : sb_src + (i - 8);
-      cp_async4(smem0 + kScalesOffset + 4 * i, in ? src : p.scale_a, in ? 4 : 0);
-    }
-  }
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -517,14 +500,20 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
       if (p.out_int64) {
         store([&](int mt, int j) { return static_cast<int64_t>(integer(mt, j)); });
       } else {
-        const float* scales_s = reinterpret_cast<const float*>(smem + kScalesOffset);
-        const float* sb_s = scales_s + 8 + wchunk0 * K::kColsPerChunk;
-        const float sa[2] = {scales_s[2 * t], scales_s[2 * t + 1]};
-        float sb[kMT][2];
+        // All scales are loaded before the first store: `out` may alias them as far as the
+        // compiler knows, so later loads could not move above a store.
+        float sa[2] = {0.f, 0.f}, sb[kMT][2];
+        if (rows_live) {
+          sa[0] = p.scale_a[orow];
+          sa[1] = p.scale_a[orow + 1];
+        }
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) sb[mt][h] = sb_s[col_of(mt, 2 * h)];
+          for (int h = 0; h < 2; ++h) {
+            const int c = col_of(mt, 2 * h);
+            sb[mt][h] = rows_live && c < ncols ? p.scale_b[(int64_t)bh * p.n + n0 + c] : 0.f;
+          }
         store([&](int mt, int j) {
           return __float2half_rn(to_float(integer(mt, j)) * (sa[j & 1] * sb[mt][j >> 1]));
         });
