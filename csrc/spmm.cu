@@ -5,10 +5,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
 
-#include <mutex>
-#include <set>
-#include <utility>
-
 #include "check.cuh"
 #include "spmm_kernel.cuh"
 
@@ -30,32 +26,17 @@ at::Tensor aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
 }
 
-// Dynamic shared memory past 48 KB has to be allowed per kernel, once per device.
-void allow_smem(const void* kernel, int bytes) {
-  if (bytes <= 48 * 1024) return;
-  static std::mutex mu;
-  static std::set<std::pair<const void*, int>> done;
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mu);
-  if (done.count({kernel, device})) return;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  done.insert({kernel, device});
-}
-
 template <int AB, bool AS, int BB>
 void launch(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, bool fast) {
-  using K = magicube::spmm_detail::Kind<AB, AS, BB>;
-  const int64_t tiles = (p.row_bytes + K::kTileBytes - 1) / K::kTileBytes;
+  const int64_t tiles = (p.row_bytes + magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes - 1) /
+                        magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes;
   MAGICUBE_CHECK(tiles <= 65535 && vrows <= INT32_MAX, "spmm: N or M too large");
   const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(tiles), static_cast<unsigned>(bh));
-  // The Hopper build (sm_90a) runs on major version 9 and takes the deeper pipeline; a device
-  // running other code gets at least what that code needs.
-  const int smem = K::smem_bytes(at::cuda::getCurrentDeviceProperties()->major >= 9);
-  auto kernel = fast ? magicube::spmm_detail::spmm_kernel<AB, AS, BB, true>
-                     : magicube::spmm_detail::spmm_kernel<AB, AS, BB, false>;
-  allow_smem(reinterpret_cast<const void*>(kernel), smem);
-  kernel<<<grid, kThreads, smem, stream>>>(p);
+  if (fast) {
+    magicube::spmm_detail::spmm_kernel<AB, AS, BB, true><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    magicube::spmm_detail::spmm_kernel<AB, AS, BB, false><<<grid, kThreads, 0, stream>>>(p);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -10,11 +10,10 @@
 // nothing here.
 //
 // One CTA = one vector row x a kTileBytes-wide slice of B's rows; 4 warps split the slice. Per
-// 32-slot block, the 32 gathered dense rows go to shared memory through a multi-stage cp.async
+// 32-slot block, the 32 gathered dense rows go to shared memory through a 4-stage cp.async
 // pipeline. The gather is the limiter: every kept vector re-reads a whole row slice of B from L2
 // (measured on an H200: ~7-8 TB/s effective at large problems; latency-bound when the grid is
-// small), so the pipeline keeps several blocks in flight per CTA (five on Hopper, whose shared
-// memory holds 6 stages for each of 4 CTAs per SM; three elsewhere) with several CTAs per SM. The
+// small), so the pipeline keeps three blocks in flight per CTA with several CTAs per SM. The
 // row's column indices are staged in shared memory in the prologue (and those of the next block
 // read one step ahead into registers), so the gather addresses never wait on an L2 round trip.
 // The epilogue dequantizes and stores straight from the accumulator fragments. The online transpose of the gathered tile happens on
@@ -51,24 +50,12 @@ constexpr int kSlots = 32;        // SR-BCRS stride of the ops
 constexpr int kWideTileBytes = 256;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
+constexpr int kStages = 4;
 constexpr int kFlushBlocks = 512;
 // Column indices of a row's first kColBlocks blocks are copied to shared memory up front, so the
 // gather addresses of those blocks wait on a shared load, not on an L2 round trip per block;
 // longer rows, which are dominated by streaming, read the rest from global memory.
 constexpr int kColBlocks = 32;
-constexpr int kColBytes = kColBlocks * kSlots * 4;
-
-// Pipeline depth. Hopper: the deepest pipeline (at most kMaxStages) that still fits 4 CTAs in an
-// SM's 228 KB of shared memory (the hardware keeps 1 KB per CTA), i.e. 6 stages of 256-byte tiles
-// (five blocks in flight per CTA instead of three) and 8 of 128-byte ones. Older parts have at most
-// 164 KB per SM and keep 4 stages, which still fits 4 CTAs there.
-constexpr int kMaxStages = 8;
-constexpr int kHopperSmemPerCta = 228 * 1024 / 4 - 1024;
-constexpr int pipeline_stages(int stage_bytes, bool hopper) {
-  if (!hopper) return 4;
-  const int fit = (kHopperSmemPerCta - kColBytes) / stage_bytes;
-  return fit < kMaxStages ? fit : kMaxStages;
-}
 
 struct Params {
   const int* row_ptr;
@@ -106,14 +93,6 @@ struct Kind {
   static constexpr int kWarpChunks = kChunks / kWarps;
   static constexpr int kMTiles = kWarpChunks * kColsPerChunk / 16;
   static constexpr int kShift = (AB == 4 ? 4 : 0) + (BB == 4 ? 4 : 0);
-
-  // Shared memory: the pipeline stages (32 gathered dense rows, then the sparse V x 32 block),
-  // then the staged column indices.
-  static constexpr int kDenseStage = kSlots * kTileBytes;
-  static constexpr int kSparseStage = 8 * kSparseRowBytes;
-  static constexpr int kStageBytes = kDenseStage + kSparseStage;
-  static constexpr int stages(bool hopper) { return pipeline_stages(kStageBytes, hopper); }
-  static constexpr int smem_bytes(bool hopper) { return stages(hopper) * kStageBytes + kColBytes; }
 
   // Shared-memory row of block slot s (0..31): ldmatrix matrix j reads rows 8j..8j+7, and the
   // MMA k order it yields must match the sparse fragment's (see the file comment).
@@ -184,18 +163,11 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   constexpr int kTileBytes = K::kTileBytes;
   constexpr int kChunks = K::kChunks;
   constexpr int kCopyRows = K::kCopyRows;
-  constexpr int kDenseStage = K::kDenseStage;
-  constexpr int kSparseStage = K::kSparseStage;
-  constexpr int kStageBytes = K::kStageBytes;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr bool kHopper = true;
-#else
-  constexpr bool kHopper = false;
-#endif
-  constexpr int kStages = K::stages(kHopper);
+  constexpr int kDenseStage = kSlots * kTileBytes;
+  constexpr int kSparseStage = 8 * K::kSparseRowBytes;
+  constexpr int kStageBytes = kDenseStage + kSparseStage;
   constexpr int kColsOffset = kStages * kStageBytes;
-  // Sized by the host from the device's major version (Kind::smem_bytes).
-  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ __align__(128) uint8_t smem[kColsOffset + kColBlocks * kSlots * 4];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
