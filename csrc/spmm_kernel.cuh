@@ -13,10 +13,9 @@
 // 32-slot block, the 32 gathered dense rows go to shared memory through a 4-stage cp.async
 // pipeline. The gather is the limiter: every kept vector re-reads a whole row slice of B from L2
 // (measured on an H200: ~7-8 TB/s effective at large problems; latency-bound when the grid is
-// small), so the pipeline keeps three blocks in flight per CTA with several CTAs per SM. The
-// row's column indices are staged in shared memory in the prologue (and those of the next block
-// read one step ahead into registers), so the gather addresses never wait on an L2 round trip.
-// The epilogue dequantizes and stores straight from the accumulator fragments. The online transpose of the gathered tile happens on
+// small), so the pipeline keeps three blocks in flight per CTA with several CTAs per SM, and the
+// column indices of the next block are prefetched into registers one step ahead so the gather
+// addresses never wait on a dependent load. The online transpose of the gathered tile happens on
 // the way out of shared memory: ldmatrix.trans transposes byte pairs and one prmt per register
 // finishes the 8-bit transpose (16-bit planes fall out of the same prmt). Slots are placed in
 // shared memory rows so that each ldmatrix 8x8 matrix reads 8 consecutive rows, and the 16-byte
