@@ -126,7 +126,6 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   if (out.numel() == 0) return out;
 
   const at::Tensor a_al = aligned16(a_values);
-  const at::Tensor col_al = aligned16(col_idx);
   const int64_t row_bytes = b.size(2) * b.element_size();
   // Widest copy that every dense row start admits.
   const uintptr_t base = reinterpret_cast<uintptr_t>(b.data_ptr());
@@ -140,7 +139,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
 
   Params p;
   p.row_ptr = row_ptr.data_ptr<int>();
-  p.col_idx = col_al.data_ptr<int>();
+  p.col_idx = col_idx.data_ptr<int>();
   p.row_order = row_order.data_ptr<int>();
   p.a = static_cast<const uint8_t*>(a_al.data_ptr());
   p.b = static_cast<const uint8_t*>(b.data_ptr());

@@ -51,10 +51,6 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kStages = 4;
 constexpr int kFlushBlocks = 512;
-// Column indices of a row's first kColBlocks blocks are copied to shared memory up front, so the
-// gather addresses of those blocks wait on a shared load, not on an L2 round trip per block;
-// longer rows, which are dominated by streaming, read the rest from global memory.
-constexpr int kColBlocks = 32;
 
 struct Params {
   const int* row_ptr;
@@ -165,8 +161,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   constexpr int kDenseStage = kSlots * kTileBytes;
   constexpr int kSparseStage = 8 * K::kSparseRowBytes;
   constexpr int kStageBytes = kDenseStage + kSparseStage;
-  constexpr int kColsOffset = kStages * kStageBytes;
-  __shared__ __align__(128) uint8_t smem[kColsOffset + kColBlocks * kSlots * 4];
+  __shared__ __align__(128) uint8_t smem[kStages * kStageBytes];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -196,17 +191,10 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   }
   const int sparse_chunks = v * K::kSparseRowBytes / 16;
 
-  const int* cols_s = reinterpret_cast<const int*>(smem + kColsOffset);
   auto fetch_cols = [&](int blk, int (&c)[kCopyRows]) {
     if (blk < nblocks) {
-      // Two loops, not a select of the pointer: a shared and a global load, not generic ones.
-      if (blk < kColBlocks) {
 #pragma unroll
-        for (int q = 0; q < kCopyRows; ++q) c[q] = cols_s[blk * kSlots + cslot + kSlotStep * q];
-      } else {
-#pragma unroll
-        for (int q = 0; q < kCopyRows; ++q) c[q] = cols[blk * kSlots + cslot + kSlotStep * q];
-      }
+      for (int q = 0; q < kCopyRows; ++q) c[q] = cols[blk * kSlots + cslot + kSlotStep * q];
     }
   };
   auto issue = [&](int blk, const int (&c)[kCopyRows]) {
@@ -366,13 +354,6 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
       }
     }
   };
-
-  // Row starts are multiples of the stride, so 16-byte pieces of the row's indices stay aligned.
-  for (int i = tid; i < min(nblocks, kColBlocks) * (kSlots / 4); i += kThreads)
-    cp_async16(smem0 + kColsOffset + 16 * i, cols + 4 * i, 16);
-  cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
 
   // Pipeline: blocks it+1 .. it+kStages-1 are in flight while block it is computed.
   int next_cols[kCopyRows];

@@ -144,31 +144,6 @@ def test_fold_boundary(kernels, a_bits, b_bits, blocks):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("a_bits, b_bits", [(8, 8), (16, 16), (8, 4)], ids=["L8-R8", "L16-R16", "L8-R4"])
-def test_index_prefetch_boundary(kernels, a_bits, b_bits):
-    """Rows of 31, 32 and 33 blocks around the count of blocks whose indices are staged in
-    shared memory, with col_idx a view 4 bytes off a 16-byte boundary."""
-    v, n = 4, 72
-    blocks = [31, 32, 33]
-    k = 32 * max(blocks) + 7
-    mask = torch.zeros(len(blocks) + 1, k, dtype=torch.bool)
-    for i, nb in enumerate(blocks):
-        keep = torch.randperm(k, generator=torch.Generator().manual_seed(i))[: 32 * nb - 3]
-        mask[i + 1, keep] = True
-    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
-    emask = VectorMask(mask, v).to_dense()
-    g = torch.Generator().manual_seed(3)
-    a_values, b = _inputs(p, emask, 2, k, n, a_bits, True, b_bits, g)
-    want = torch.ops.magicube.spmm(p.row_ptr, p.col_idx, p.row_order, a_values, b, None, None, v, p.m, a_bits, True,
-                                   b_bits, torch.int64)
-    cuda = p.to("cuda")
-    col_idx = torch.cat([cuda.col_idx.new_zeros(1), cuda.col_idx])[1:]
-    assert col_idx.data_ptr() % 16 != 0
-    got = kernels.spmm(cuda.row_ptr, col_idx, cuda.row_order, a_values.cuda(), b.cuda(), None, None, v, p.m,
-                       a_bits, True, b_bits, torch.int64)
-    assert torch.equal(got.cpu(), want)
-
-
 @pytest.mark.parametrize("n", [37, 6])
 def test_fp16_kernel_odd_rows(kernels, n):
     """fp16 output rows that do not admit paired stores (odd N) and N % 4 == 2."""
