@@ -62,15 +62,7 @@ constexpr int step_bytes(int mode) {
                           : Traits<kHalf>::KC * 4 * Traits<kHalf>::LB;
 }
 
-// Warps of a CTA: as many as one SM holds at the kernel's register count, so
-// that one CTA fills an SM and every warp resident there gathers from the
-// same batch x head's B, whose rows then hit in L1 across warps. 8- and 4-bit
-// operands fit 80 registers (24 warps), the 16-bit planes and the float16
-// two-chunk step 128 (16 warps).
-template <int MODE>
-constexpr int cta_warps() {
-  return MODE == kInt8 || MODE == kInt4 ? 24 : 16;
-}
+constexpr int kWarps = 8;
 constexpr int kStride = 32;
 // Load unit of 16-byte aligned rows of exactly one k step (K = 64 in every
 // mode): no bound checks, no zero fill, and the operand row is held for the
@@ -127,10 +119,11 @@ struct Gather {
 // eight rows of each stmatrix matrix over all 32 banks.
 __device__ __forceinline__ int tile_chunk(int r, int q) { return 4 * r + (q ^ ((r >> 1) & 3)); }
 
-// Grid (ceil(M/V / W), BH) of W = cta_warps warps; warp w of CTA x owns
-// vector row row_order[W x + w].
+// Grid (ceil(M/V / 8), BH); warp w of CTA x owns vector row row_order[8x + w].
+// 8- and 4-bit operands fit 80 registers (three CTAs, 24 warps an SM); the
+// 16-bit planes and the float16 two-chunk step need up to 128 (two CTAs).
 template <int MODE, int AL, typename OutT>
-__global__ void __launch_bounds__(cta_warps<MODE>() * 32, 1)
+__global__ void __launch_bounds__(kWarps * 32, MODE == kInt8 || MODE == kInt4 ? 3 : 2)
     sddmm_kernel(const int* __restrict__ row_ptr, const int* __restrict__ col_idx,
                  const int* __restrict__ row_order, int num_vrows, int num_blocks,
                  int64_t nnz_pad, const uint8_t* __restrict__ a, const uint8_t* __restrict__ b,
@@ -145,7 +138,6 @@ __global__ void __launch_bounds__(cta_warps<MODE>() * 32, 1)
   const int row_bytes = AL == kWholeSteps ? step_bytes(MODE) : row_bytes_arg;
   // Two tiles a warp, alternating by block: one __syncwarp a block then
   // orders each tile's reads before its next writes.
-  constexpr int kWarps = cta_warps<MODE>();
   __shared__ __align__(16) uint8_t smem[kHalfOut ? kWarps : 1][2][8 * S * 2];
 
   const int warp = threadIdx.x >> 5;
@@ -373,7 +365,6 @@ void launch(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tens
             int64_t num_vrows, int64_t nnz_pad, int64_t bh, const at::Tensor& a,
             const at::Tensor& b, const float* sa, const float* sb, at::Tensor& out, int64_t m,
             int64_t n, int64_t k, int64_t row_bytes, int64_t v) {
-  constexpr int kWarps = cta_warps<MODE>();
   const dim3 grid(static_cast<unsigned>((num_vrows + kWarps - 1) / kWarps), static_cast<unsigned>(bh));
   sddmm_kernel<MODE, AL, OutT><<<grid, kWarps * 32, 0, at::cuda::getCurrentCUDAStream()>>>(
       row_ptr.data_ptr<int>(), col_idx.data_ptr<int>(), row_order.data_ptr<int>(),
