@@ -134,11 +134,17 @@ def to_markdown(report: dict) -> str:
     return head + "\n".join(lines) + "\n" + foot
 
 
+def report_paths(out: str | Path) -> tuple[Path, Path]:
+    """`<out>.md` and `<out>.json`. The suffixes are appended, not substituted: a name such as
+    `random_0.9_8b-8b` has a dot that `with_suffix` would take for a suffix."""
+    out = Path(out)
+    return out.with_name(out.name + ".md"), out.with_name(out.name + ".json")
+
+
 def write_report(report: dict, out: str | Path) -> tuple[Path, Path]:
     """Write `<out>.md` and `<out>.json`."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    md, js = out.with_suffix(".md"), out.with_suffix(".json")
+    md, js = report_paths(out)
+    md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(to_markdown(report))
     js.write_text(json.dumps(report, indent=2) + "\n")
     return md, js
