@@ -64,8 +64,6 @@ def evaluate(path: str | Path, backends=None, split: str | None = None, batch_si
     data_cfg = {**cfg["data"], **(data_overrides or {})}
     ecfg = cfg.get("eval", {})
     backends = list(backends or ecfg.get("backends") or BACKENDS)
-    # "sparse" in a config means both sparse rows: the training function and the ops.
-    backends = [b for name in backends for b in (("sparse-masked", "sparse") if name == "sparse" else (name,))]
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown backends {unknown}; choose from {list(BACKENDS)}")
