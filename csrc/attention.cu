@@ -34,10 +34,10 @@ at::Tensor aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
 }
 
-template <int OP, int PB, int D, int DV>
+template <int OP, int PB, int D, int DV, bool SPLIT>
 void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream) {
   using C = Cfg<OP, PB, D, DV>;
-  auto kernel = magicube::attention_detail::attention_kernel<OP, PB, D, DV>;
+  auto kernel = magicube::attention_detail::attention_kernel<OP, PB, D, DV, SPLIT>;
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   // Once per device and instantiation, so that a launch inside a graph capture makes no other call.
   // The opt-in limit covers static and dynamic shared memory together.
@@ -53,29 +53,50 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
   }
   const int max_smem = dynamic_limit[device];
   // Score cache: the blocks a warp gets from a row of mean length (every row, for the balanced
-  // masks of the paper). Longer rows recompute their last blocks' scores; a larger cache would
-  // cost occupancy (at L = 4096, sparsity 0.9: 4 blocks per warp, 5 CTAs per SM; with 5, 4).
+  // masks of the paper). Longer rows recompute their last blocks' scores. Whole rows keep at
+  // least 3 CTAs (12 warps) per SM, split rows as many as their cache allows: at L = 4096,
+  // sparsity 0.9, d = 64, 8-bit, 13 blocks per warp and 3 CTAs per SM (whole rows), or 4 blocks
+  // and 5 (split rows).
   const int64_t mean_blocks = (nnz_pad / 32 + vrows - 1) / vrows;
-  int64_t cached = (mean_blocks + kWarps - 1) / kWarps;
-  const int64_t fit = (max_smem - C::kStageSmem) / C::kCacheBlockBytes;
+  int64_t cached = SPLIT ? (mean_blocks + kWarps - 1) / kWarps : mean_blocks;
+  const int64_t static_smem = static_cast<int64_t>(prop->sharedMemPerBlockOptin) - max_smem;
+  const int64_t budget = SPLIT ? max_smem
+                               : std::min<int64_t>(max_smem, static_cast<int64_t>(prop->sharedMemPerMultiprocessor) / 3 -
+                                                                 static_cast<int64_t>(prop->reservedSharedMemPerBlock) -
+                                                                 static_smem);
+  const int64_t fit = (budget - C::kStageSmem) / C::kCacheBlockBytes;
+  // Whole rows pay off only with every block of a mean row cached: a recomputed block gathers its
+  // key tile twice (three times with fp16 probabilities).
+  if constexpr (!SPLIT) {
+    if (cached > fit) return launch<OP, PB, D, DV, true>(p, vrows, bh, nnz_pad, stream);
+  }
   cached = std::max<int64_t>(1, std::min<int64_t>(cached, fit));
   MAGICUBE_CHECK(C::smem_bytes(static_cast<int>(cached)) <= max_smem, "sparse_attention: needs ",
               C::smem_bytes(static_cast<int>(cached)), " bytes of shared memory per block, the device has ", max_smem);
   p.cached = static_cast<int>(cached);
-  const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(bh));
+  const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(SPLIT ? bh : (bh + kWarps - 1) / kWarps));
   kernel<<<grid, kThreads, C::smem_bytes(p.cached), stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // One head dim for query/key and value: every (d, dv) pair would triple the instantiations (and
 // the build) for shapes attention layers do not use.
-template <int OP, int PB>
+template <int OP, int PB, bool SPLIT>
 void dispatch_dims(const Params& p, int64_t d, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream) {
   switch (d) {
-    case 32: launch<OP, PB, 32, 32>(p, vrows, bh, nnz_pad, stream); break;
-    case 64: launch<OP, PB, 64, 64>(p, vrows, bh, nnz_pad, stream); break;
-    default: launch<OP, PB, 128, 128>(p, vrows, bh, nnz_pad, stream); break;
+    case 32: launch<OP, PB, 32, 32, SPLIT>(p, vrows, bh, nnz_pad, stream); break;
+    case 64: launch<OP, PB, 64, 64, SPLIT>(p, vrows, bh, nnz_pad, stream); break;
+    default: launch<OP, PB, 128, 128, SPLIT>(p, vrows, bh, nnz_pad, stream); break;
   }
+}
+
+// Split rows where a whole row would overflow one warp's int32 accumulators, or (launch) where a
+// whole mean row does not fit in the score cache.
+template <int OP, int PB>
+void dispatch_layout(const Params& p, bool split, int64_t d, int64_t vrows, int64_t bh, int64_t nnz_pad,
+                     cudaStream_t stream) {
+  if (split) dispatch_dims<OP, PB, true>(p, d, vrows, bh, nnz_pad, stream);
+  else dispatch_dims<OP, PB, false>(p, d, vrows, bh, nnz_pad, stream);
 }
 
 at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order,
@@ -148,11 +169,15 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
               d, ")");
   MAGICUBE_CHECK(bh <= 65535 && vrows <= INT32_MAX && n < INT32_MAX && m < INT32_MAX,
               "sparse_attention: BH must be <= 65535 and M, N < 2^31");
+  bool split = false;
   if (op != kHalf) {
-    // int32 accumulators: a warp sums at most ceil(ceil(N/32)/4) blocks of 32 slots; the largest
-    // per-slot term over all accumulators of a precision pair bounds N.
+    // int32 accumulators: a warp sums at most ceil(N/32) blocks of 32 slots (whole rows), or
+    // ceil(ceil(N/32)/4) (split rows); the largest per-slot term over all accumulators of a
+    // precision pair bounds N.
     const int64_t term = (qk_bits == 16) ? 255 * 255 + 255 * 128 : 255 * 128;
+    const int64_t row_slots = (n + 31) / 32 * 32;
     const int64_t slots = ((n + 31) / 32 + kWarps - 1) / kWarps * 32;
+    split = row_slots * term >= (int64_t(1) << 31);
     MAGICUBE_CHECK(slots * term < (int64_t(1) << 31), "sparse_attention: N = ", n,
                 " keys exceed the exact int32 accumulation of this precision pair");
     for (const auto* s : {&scale_q, &scale_k, &scale_v})
@@ -183,23 +208,25 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
   p.scale_k = op == kHalf ? nullptr : scale_k->data_ptr<float>();
   p.scale_v = op == kHalf ? nullptr : scale_v->data_ptr<float>();
   p.out = reinterpret_cast<__half*>(out.data_ptr());
+  p.bh = static_cast<int>(bh);
   p.m = static_cast<int>(m);
   p.n = static_cast<int>(n);
   p.v = static_cast<int>(v);
   p.softmax_scale = static_cast<float>(softmax_scale);
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t nnz_pad = col_idx.numel();
   if (op == kHalf) {
-    dispatch_dims<kHalf, 0>(p, d, vrows, bh, col_idx.numel(), stream);
+    dispatch_layout<kHalf, 0>(p, split, d, vrows, bh, nnz_pad, stream);
   } else if (op == kInt8) {
-    if (p_bits == 8) dispatch_dims<kInt8, 8>(p, d, vrows, bh, col_idx.numel(), stream);
-    else dispatch_dims<kInt8, 16>(p, d, vrows, bh, col_idx.numel(), stream);
+    if (p_bits == 8) dispatch_layout<kInt8, 8>(p, split, d, vrows, bh, nnz_pad, stream);
+    else dispatch_layout<kInt8, 16>(p, split, d, vrows, bh, nnz_pad, stream);
   } else if (op == kInt4) {
-    if (p_bits == 4) dispatch_dims<kInt4, 4>(p, d, vrows, bh, col_idx.numel(), stream);
-    else if (p_bits == 8) dispatch_dims<kInt4, 8>(p, d, vrows, bh, col_idx.numel(), stream);
-    else dispatch_dims<kInt4, 16>(p, d, vrows, bh, col_idx.numel(), stream);
+    if (p_bits == 4) dispatch_layout<kInt4, 4>(p, split, d, vrows, bh, nnz_pad, stream);
+    else if (p_bits == 8) dispatch_layout<kInt4, 8>(p, split, d, vrows, bh, nnz_pad, stream);
+    else dispatch_layout<kInt4, 16>(p, split, d, vrows, bh, nnz_pad, stream);
   } else {
-    dispatch_dims<kInt16, 16>(p, d, vrows, bh, col_idx.numel(), stream);
+    dispatch_layout<kInt16, 16>(p, split, d, vrows, bh, nnz_pad, stream);
   }
   return out;
 }

@@ -2,8 +2,12 @@
 // with the roundings of the three-op pipeline (fp16 scores as the SDDMM writes them, probabilities
 // quantized to p_bits unsigned or fp16, exact integer accumulation, one fp16 rounding at the end).
 //
-// One CTA = one vector row (V query rows sharing their kept keys) of one batch x head; its 4 warps
-// take the row's 32-slot blocks round-robin. Scores and probabilities never leave the SM.
+// Two layouts. Whole rows (the default): one warp = one vector row (V query rows sharing their kept
+// keys) of one batch x head, one CTA = that row for 4 consecutive batch x heads, which share the
+// row's column indices through L1; a warp owns its row, so there is no block barrier and no
+// cross-warp reduction. Split rows (SPLIT, for rows too long for one warp's exact int32
+// accumulators): one CTA = one vector row of one batch x head, its 4 warps take the row's 32-slot
+// blocks round-robin and reduce through shared memory. Scores and probabilities never leave the SM.
 //
 // Why this shape (Hopper, L = 4096, d = 64, sparsity 0.9: ~13 blocks per row):
 // - The kernel is bound by the L2 -> SM gather of key and value rows (both heads' K and V stay in
@@ -63,7 +67,7 @@ struct Params {
   const float* scale_k;    // [BH, N]
   const float* scale_v;    // [BH, DV]
   __half* out;             // [BH, M, DV]
-  int m, n, v;
+  int bh, m, n, v;
   int cached;              // blocks per warp whose scores stay in shared memory
   float softmax_scale;
 };
@@ -80,14 +84,14 @@ struct Cfg {
   // +16 bytes per shared row: 8 consecutive rows of one 16-byte column hit 8 distinct bank groups.
   static constexpr int kRowStride = (kKeyBytes > kValBytes ? kKeyBytes : kValBytes) + 16;
   static constexpr int kStages = kRowStride > 160 ? 2 : 3;
-  // A tile: 32 gathered rows, then (key tiles) the 32 column indices and key scales.
+  // A tile: 32 gathered rows, then (key tiles) the 32 key scales and the mask of live slots.
   static constexpr int kMetaOffset = kSlots * kRowStride;
-  static constexpr int kTileBytes = kMetaOffset + kSlots * 8;
+  static constexpr int kTileBytes = kMetaOffset + kSlots * 4 + 16;
   static constexpr int kPPlanes = PB == 16 ? 2 : 1;
   static constexpr int kVPlanes = OP == kInt16 ? 2 : 1;
   static constexpr int kAccSets = kPPlanes == 2 && kVPlanes == 2 ? 3 : kPPlanes * kVPlanes;
   static constexpr int kMT = DV / 16;
-  static constexpr int kCacheWords = 5;  // per lane and block: 4 half2 scores + the kept bits
+  static constexpr int kCacheWords = 6;  // per lane and block: 4 half2 scores, the kept bits, a copy column
   static constexpr int kCacheBlockBytes = kWarps * kCacheWords * 32 * 4;  // one block per warp
   static constexpr int kShift = OP == kInt4 ? 4 : 0;
   static constexpr int kStageSmem = kWarps * kStages * kTileBytes;
@@ -168,7 +172,15 @@ __device__ __forceinline__ uint32_t pack_half2(__half a, __half b) {
 __device__ __forceinline__ float half_lo(uint32_t h) { return __half2float(__ushort_as_half(h & 0xFFFFu)); }
 __device__ __forceinline__ float half_hi(uint32_t h) { return __half2float(__ushort_as_half(h >> 16)); }
 
-template <int OP, int PB, int D, int DV>
+// 2^x in one MUFU op; results below 2^-126 flush to 0, which every probability rounds to anyway
+// (quantized: e * qmax < 0.5; fp16: below its subnormals).
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <int OP, int PB, int D, int DV, bool SPLIT>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   using C = Cfg<OP, PB, D, DV>;
   constexpr int NW = C::kLaneWords;
@@ -179,13 +191,16 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
+  const int64_t bh = SPLIT ? blockIdx.y : static_cast<int64_t>(blockIdx.y) * kWarps + warp;
+  if (!SPLIT && bh >= p.bh) return;  // no block barrier in this layout
   const int vrow = p.row_order[blockIdx.x];
-  const int64_t bh = blockIdx.y;
   const int v = p.v;
   const int start = p.row_ptr[2 * vrow];
   const int count = p.row_ptr[2 * vrow + 1] - start;
   const int nb = (count + kSlots - 1) / kSlots;
-  const int nbw = nb > warp ? (nb - warp + kWarps - 1) / kWarps : 0;  // this warp's blocks
+  // This warp's blocks: block (SPLIT ? warp : 0) + j * kBlockStride for j < nbw.
+  constexpr int kBlockStride = SPLIT ? kWarps : 1;
+  const int nbw = !SPLIT ? nb : nb > warp ? (nb - warp + kWarps - 1) / kWarps : 0;
   const int nu = nbw > p.cached ? nbw - p.cached : 0;  // ... past the score cache
   const int nc = nbw - nu;
   const bool row_live = g < v;
@@ -206,95 +221,122 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     qw.set(raw);
   }
 
-  // ---- The warp's tile stream: pass 1 key tiles, [fp16: uncached key tiles], pass 2 value tiles
-  // (preceded by their key tile past the cache). Entry i -> (local block j, value tile?).
-  const int entries = nbw + (C::kFp16 ? nu : 0) + nc + 2 * nu;
-  auto entry = [&](int i, int& j, bool& is_val) {
-    if (i < nbw) { j = i; is_val = false; return; }
-    i -= nbw;
-    if constexpr (C::kFp16) {
-      if (i < nu) { j = p.cached + i; is_val = false; return; }
-      i -= nu;
-    }
-    if (i < nc) { j = i; is_val = true; return; }
-    i -= nc;
-    j = p.cached + (i >> 1);
-    is_val = i & 1;
-  };
-  const uint32_t ring = smem_addr(smem) + warp * C::kStages * C::kTileBytes;
-  const int64_t slot_base = start;
-  auto copy_tile = [&](uint32_t dst, const uint8_t* base, int col_l, auto row_bytes_tag) {
-    constexpr int RB = decltype(row_bytes_tag)::value;
-    constexpr int CPR = RB / 16;
+  // ---- The warp's tile stream, in the order the tiles are consumed: pass 1 key tiles of blocks
+  // 0..nbw-1 (phase 0); fp16: the key tiles past the cache again (phase 1); pass 2 value tiles of
+  // the cached blocks (phase 2); then key and value tile of each block past the cache (phase 3).
+  // The issue side runs kStages - 1 tiles ahead of the consumer and walks the same order.
+  //
+  // Copy map: a lane copies rows r0 = lane / 2 and r1 = 16 + lane / 2 of a tile, 16-byte chunks
+  // 2u + (lane & 1), so two lanes fill whole 32-byte sectors of a row (16-byte rows: row `lane`).
+  // A lane's source addresses are then its two columns times the row bytes, the same for the key
+  // and the value tile of a block: pass 1 keeps each lane's pair half in the score cache and pass 2
+  // rereads the pair, with no column reload or shuffle.
+  static_assert(C::kKeyBytes == C::kValBytes, "key and value tiles share their copy offsets");
+  constexpr int RB = C::kKeyBytes;
+  constexpr int CPR = RB / 16;
+  constexpr int kRows = CPR == 1 ? 1 : 2;
+  constexpr int kChunks = CPR == 1 ? 1 : CPR / 2;
+  const int lane_chunk = CPR == 1 ? 0 : (lane & 1);
+  uint32_t row_dst[kRows];
 #pragma unroll
-    for (int u = 0; u < CPR; ++u) {
-      const int idx = lane + 32 * u;
-      const int r = idx / CPR, ch = idx % CPR;
-      const int c = __shfl_sync(0xffffffffu, col_l, r);
-      const bool live = c >= 0 && c < p.n;
-      cp_async16(dst + r * C::kRowStride + ch * 16, live ? base + static_cast<int64_t>(c) * RB + ch * 16 : base,
-                 live ? 16 : 0);
+  for (int k = 0; k < kRows; ++k)
+    row_dst[k] = (CPR == 1 ? lane : 16 * k + (lane >> 1)) * C::kRowStride + lane_chunk * 16;
+  const uint8_t* const key_base = p.k + bh * p.n * RB + lane_chunk * 16;
+  const uint8_t* const val_base = p.val + bh * p.n * RB + lane_chunk * 16;
+  const float* const sk_base = p.scale_k + bh * p.n;
+  const int* const warp_cols = p.col_idx + start + (SPLIT ? warp : 0) * kSlots + lane;  // + j * kBlockStride * kSlots
+  const uint32_t n_cols = static_cast<uint32_t>(p.n);
+  const uint32_t ring = smem_addr(smem) + warp * C::kStages * C::kTileBytes;
+  const uint32_t ring_end = ring + C::kStages * C::kTileBytes;
+  // Score cache, per lane and block: 4 half2 scores, the kept bits, the lane's copy column.
+  uint32_t* cache = reinterpret_cast<uint32_t*>(smem + C::kStageSmem) + warp * p.cached * C::kCacheWords * 32;
+  const uint32_t cache_cols = smem_addr(cache) + 5 * 32 * 4 + (kRows == 2 ? (lane & ~1) : lane) * 4;
+
+  auto copy_tile = [&](uint32_t dst, const uint8_t* base, const int (&c)[kRows]) {
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      const bool live = static_cast<uint32_t>(c[k]) < n_cols;
+      const uint8_t* src = base + static_cast<uint64_t>(live ? static_cast<uint32_t>(c[k]) : 0u) * RB;
+#pragma unroll
+      for (int u = 0; u < kChunks; ++u) cp_async16(dst + row_dst[k] + 32 * u, src + 32 * u, live ? 16 : 0);
     }
   };
-  // The column indices of the entry after the one being issued are loaded one step ahead, so
-  // the gather addresses never wait on a dependent load.
-  int pf_col = -1;
-  auto prefetch_cols = [&](int i) {
-    if (i < entries) {
-      int j;
-      bool is_val;
-      entry(i, j, is_val);
-      pf_col = p.col_idx[slot_base + static_cast<int64_t>(warp + j * kWarps) * kSlots + lane];
+  // The columns of slot `lane` of the next key tile to issue, loaded one key tile ahead so the
+  // gather addresses never wait on a dependent load.
+  int pf_col = nbw > 0 ? warp_cols[0] : -1;
+  int cur_cols[kRows];  // copy columns of the last key tile issued (its value tile follows in phase 3)
+  auto issue_key = [&](uint32_t dst, int j, int phase) {
+    const int col_l = pf_col;
+    if constexpr (kRows == 2) {
+      cur_cols[0] = __shfl_sync(0xffffffffu, col_l, lane >> 1);
+      cur_cols[1] = __shfl_sync(0xffffffffu, col_l, 16 + (lane >> 1));
+    } else {
+      cur_cols[0] = col_l;
     }
+    copy_tile(dst, key_base, cur_cols);
+    // Slot metadata for the scores: the key scales and the mask of live slots.
+    const bool live = static_cast<uint32_t>(col_l) < n_cols;
+    const uint32_t live_mask = __ballot_sync(0xffffffffu, live);
+    if constexpr (!C::kFp16) cp_async4(dst + C::kMetaOffset + lane * 4, sk_base + (live ? col_l : 0), live ? 4 : 0);
+    if (lane == 0) asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dst + C::kMetaOffset + kSlots * 4), "r"(live_mask));
+    if (phase == 0 && j < p.cached) {
+      const int mine = kRows == 2 && (lane & 1) ? cur_cols[kRows - 1] : cur_cols[0];
+      cache[j * C::kCacheWords * 32 + 5 * 32 + lane] = static_cast<uint32_t>(mine);
+    }
+    const int next = j + 1 < nbw ? j + 1 : (phase != 3 && nu > 0 ? p.cached : -1);
+    if (next >= 0) pf_col = warp_cols[next * kBlockStride * kSlots];
   };
-  auto issue = [&](int i) {
-    if (i < entries) {
-      int j;
-      bool is_val;
-      entry(i, j, is_val);
-      const int col_l = pf_col;
-      const uint32_t dst = ring + (i % C::kStages) * C::kTileBytes;
-      if (is_val) {
-        copy_tile(dst, p.val + bh * p.n * C::kValBytes, col_l, std::integral_constant<int, C::kValBytes>{});
+  int iss_phase = 0, iss_j = 0;
+  bool iss_val = false;  // phase 3: the value tile of block iss_j is next
+  auto settle = [&]() {
+    if (iss_phase == 0 && iss_j >= nbw) { iss_phase = 1; iss_j = p.cached; }
+    if (iss_phase == 1 && (!C::kFp16 || iss_j >= nbw)) { iss_phase = 2; iss_j = 0; }
+    if (iss_phase == 2 && iss_j >= nc) { iss_phase = 3; iss_j = p.cached; }
+    if (iss_phase == 3 && iss_j >= nbw) iss_phase = 4;
+  };
+  settle();
+  uint32_t iss_dst = ring;
+  auto issue = [&]() {
+    if (iss_phase == 2) {
+      int c[kRows];
+      const uint32_t at = cache_cols + iss_j * C::kCacheWords * 32 * 4;
+      if constexpr (kRows == 2) {
+        asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(c[0]), "=r"(c[1]) : "r"(at));
       } else {
-        copy_tile(dst, p.k + bh * p.n * C::kKeyBytes, col_l, std::integral_constant<int, C::kKeyBytes>{});
-        // Slot metadata for the scores: the column (a lane reads back its own) and the key scale.
-        const uint32_t meta = dst + C::kMetaOffset + lane * 4;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(meta), "r"(col_l));
-        if constexpr (!C::kFp16) {
-          const bool live = col_l >= 0 && col_l < p.n;
-          const float* src = p.scale_k + bh * p.n + (live ? col_l : 0);
-          cp_async4(meta + kSlots * 4, src, live ? 4 : 0);
-        }
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(c[0]) : "r"(at));
       }
+      copy_tile(iss_dst, val_base, c);
+      ++iss_j;
+    } else if (iss_phase == 3 && iss_val) {
+      copy_tile(iss_dst, val_base, cur_cols);
+      iss_val = false;
+      ++iss_j;
+    } else if (iss_phase < 4) {
+      issue_key(iss_dst, iss_j, iss_phase);
+      if (iss_phase == 3) iss_val = true;
+      else ++iss_j;
     }
     cp_async_commit();
-    prefetch_cols(i + 1);
+    settle();
+    iss_dst = iss_dst + C::kTileBytes == ring_end ? ring : iss_dst + C::kTileBytes;
   };
-  int cursor = 0;
+  uint32_t rd_tile = ring;
   auto next_tile = [&]() -> uint32_t {
     cp_async_wait<C::kStages - 2>();
     __syncwarp();
-    issue(cursor + C::kStages - 1);
-    const uint32_t tile = ring + (cursor % C::kStages) * C::kTileBytes;
-    ++cursor;
+    issue();
+    const uint32_t tile = rd_tile;
+    rd_tile = rd_tile + C::kTileBytes == ring_end ? ring : rd_tile + C::kTileBytes;
     return tile;
   };
-  prefetch_cols(0);
 #pragma unroll
-  for (int s = 0; s < C::kStages - 1; ++s) issue(s);
+  for (int s = 0; s < C::kStages - 1; ++s) issue();
 
   // ---- Scores of one block: h[n] holds the fp16 scores of row g at slots 8n + 2t, 8n + 2t + 1
   // (low, high half); bit 2n + e of `bits` says whether slot 8n + 2t + e is kept.
   auto block_scores = [&](uint32_t tile, uint32_t (&h)[4], uint32_t& bits) {
-    int col_l;
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(col_l) : "r"(tile + C::kMetaOffset + lane * 4));
-    const bool live_l = col_l >= 0 && col_l < p.n;
-    float sk_l = 0.f;
-    if constexpr (!C::kFp16) {
-      asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(sk_l) : "r"(tile + C::kMetaOffset + kSlots * 4 + lane * 4));
-    }
-    const uint32_t live_mask = __ballot_sync(0xffffffffu, live_l);
+    uint32_t live_mask;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(live_mask) : "r"(tile + C::kMetaOffset + kSlots * 4));
     QkAcc<OP> acc[4];
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
@@ -327,6 +369,13 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     bits = 0;
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
+      // The key scales of the lane's two slots 8n + 2t, 8n + 2t + 1 are adjacent in the meta.
+      float sk2[2] = {0.f, 0.f};
+      if constexpr (!C::kFp16) {
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                     : "=f"(sk2[0]), "=f"(sk2[1])
+                     : "r"(tile + C::kMetaOffset + (8 * n + 2 * t) * 4));
+      }
       __half hv[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
@@ -335,7 +384,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
         if constexpr (C::kFp16) {
           hv[e] = __float2half_rn(acc[n].d[e]);
         } else {
-          const float sk = __shfl_sync(0xffffffffu, sk_l, slot);
+          const float sk = sk2[e];
           int64_t q = acc[n].d[e];
           if constexpr (OP == kInt16) {
             q = q * 65536 + static_cast<int64_t>(acc[n].x[e]) * 256 + acc[n].ll[e];
@@ -358,7 +407,6 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   };
 
   // ---- Pass 1: scores (cached in shared memory for the first `cached` blocks) and the row max.
-  uint32_t* cache = reinterpret_cast<uint32_t*>(smem + C::kStageSmem) + warp * p.cached * C::kCacheWords * 32;
   auto cache_store = [&](int j, const uint32_t (&h)[4], uint32_t bits) {
     uint32_t* c = cache + j * C::kCacheWords * 32 + lane;
 #pragma unroll
@@ -386,22 +434,29 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   }
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  if (t == 0) red_max[warp][g] = mx;
-  __syncthreads();
-  float row_max = red_max[0][g];
+  float row_max = mx;
+  if constexpr (SPLIT) {
+    if (t == 0) red_max[warp][g] = mx;
+    __syncthreads();
+    row_max = red_max[0][g];
 #pragma unroll
-  for (int w = 1; w < kWarps; ++w) row_max = fmaxf(row_max, red_max[w][g]);
+    for (int w = 1; w < kWarps; ++w) row_max = fmaxf(row_max, red_max[w][g]);
+  }
 
   // e = exp(x - max) of the kept slots (0 elsewhere). x and x - max are rounded separately, as
   // the reference does: an FMA contraction would move quantized probabilities across a rounding
-  // boundary.
+  // boundary. exp(d) = 2^(d log2 e): the product's rounding moves e by at most |d| 2^-24 relative
+  // (e |d| <= 1/e), ex2.approx by 2 ulp, about what expf itself allows. Computed for every slot
+  // and selected, not branched on: padding and dead rows may give inf or NaN, which the select drops.
+  constexpr float kLog2e = 1.4426950408889634f;
   auto block_exp = [&](const uint32_t (&h)[4], uint32_t bits, float (&e)[4][2]) {
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const float x0 = __fsub_rn(__fmul_rn(half_lo(h[n]), softmax_scale), row_max);
       const float x1 = __fsub_rn(__fmul_rn(half_hi(h[n]), softmax_scale), row_max);
-      e[n][0] = (bits >> (2 * n) & 1u) ? expf(x0) : 0.f;
-      e[n][1] = (bits >> (2 * n + 1) & 1u) ? expf(x1) : 0.f;
+      const float y0 = ex2(__fmul_rn(x0, kLog2e)), y1 = ex2(__fmul_rn(x1, kLog2e));
+      e[n][0] = (bits >> (2 * n) & 1u) ? y0 : 0.f;
+      e[n][1] = (bits >> (2 * n + 1) & 1u) ? y1 : 0.f;
     }
   };
 
@@ -423,10 +478,14 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     }
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    if (t == 0) red_sum[warp][g] = sum;
-    __syncthreads();
+    if constexpr (SPLIT) {
+      if (t == 0) red_sum[warp][g] = sum;
+      __syncthreads();
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) row_sum += red_sum[w][g];
+      for (int w = 0; w < kWarps; ++w) row_sum += red_sum[w][g];
+    } else {
+      row_sum = sum;
+    }
   }
 
   // ---- Pass 2: probabilities and O^T += V^T P^T.
@@ -542,17 +601,58 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   if constexpr (!C::kFp16) {
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    if (t == 0) red_sum[warp][g] = sum;
+    if (SPLIT && t == 0) red_sum[warp][g] = sum;
   }
-  cp_async_wait<0>();
-  __syncthreads();  // every warp is done with its ring: the reduction reuses it
 
-  // ---- Cross-warp reduction of the V x DV partial outputs, then one rounding to fp16.
+  // The output element of accumulator (mt, e): query row 2t + (e & 1), column dv_of(mt, g + 8 (e >> 1)).
   auto dv_of = [](int mt, int rr) {
     if constexpr (OP == kInt8) return 16 * mt + 2 * (rr & 7) + (rr >> 3);
     else if constexpr (OP == kInt4) return 32 * (mt >> 1) + 4 * (rr & 7) + 2 * (rr >> 3) + (mt & 1);
     else return 16 * mt + rr;
   };
+  // The exact integer output of accumulator (mt, e), its planes recombined.
+  auto total = [&](int mt, int e) {
+    int64_t w = 0;
+#pragma unroll
+    for (int s = 0; s < C::kAccSets; ++s) {
+      const int sh = C::kAccSets == 1 ? 0 : 8 * (C::kAccSets - 1 - s);
+      w += static_cast<int64_t>(acc[s][mt][e]) << sh;
+    }
+    return w >> C::kShift;
+  };
+
+  if constexpr (!SPLIT) {
+    // The warp owns the whole row: round its accumulators straight to the output. The row sums
+    // sit with the lanes of g = row.
+    constexpr float kQmax = static_cast<float>((1 << PB) - 1);
+    float rs[2] = {0.f, 0.f};
+    if constexpr (!C::kFp16) {
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const float s = __shfl_sync(0xffffffffu, sum, 4 * (2 * t + x));
+        rs[x] = count == 0 ? 0.f : 1.f / (s * kQmax);
+      }
+    }
+    __half* out = p.out + qrow0 * DV;
+#pragma unroll
+    for (int mt = 0; mt < C::kMT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 2 * t + (e & 1);
+        if (r >= v) continue;
+        const int dv = dv_of(mt, g + 8 * (e >> 1));
+        if constexpr (C::kFp16) {
+          out[r * DV + dv] = __float2half_rn(acc[0][mt][e]);
+        } else {
+          out[r * DV + dv] = __float2half_rn(__ll2float_rn(total(mt, e)) * (rs[e & 1] * p.scale_v[bh * DV + dv]));
+        }
+      }
+    return;
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with its ring: the reduction reuses it
+
+  // ---- Cross-warp reduction of the V x DV partial outputs, then one rounding to fp16.
   using RedT = typename std::conditional<C::kFp16, float, int64_t>::type;
   RedT* red = reinterpret_cast<RedT*>(smem);
 #pragma unroll
@@ -566,33 +666,39 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       if constexpr (C::kFp16) {
         x = acc[0][mt][e];
       } else {
-        int64_t w = 0;
-#pragma unroll
-        for (int s = 0; s < C::kAccSets; ++s) {
-          const int sh = C::kAccSets == 1 ? 0 : 8 * (C::kAccSets - 1 - s);
-          w += static_cast<int64_t>(acc[s][mt][e]) << sh;
-        }
-        x = w >> C::kShift;
+        x = total(mt, e);
       }
       red[(warp * 8 + r) * DV + dv] = x;
     }
+  // A thread writes output columns c, c + 1 of rows r, r + 2 kThreads / DV, ...: its columns and
+  // their value scales are the same in every row, so the scales are loaded before the barrier.
+  static_assert((2 * kThreads) % DV == 0, "a thread keeps its output columns");
+  const int c0 = (2 * threadIdx.x) % DV;
+  float sv[2] = {0.f, 0.f};
+  if constexpr (!C::kFp16) {
+    sv[0] = p.scale_v[bh * DV + c0];
+    sv[1] = p.scale_v[bh * DV + c0 + 1];
+  }
   __syncthreads();
 
-  __half* out = p.out + qrow0 * DV;
-  for (int idx = threadIdx.x; idx < v * DV; idx += kThreads) {
-    const int r = idx / DV, c = idx - r * DV;
-    RedT tot = red[r * DV + c];
+  __half2* out = reinterpret_cast<__half2*>(p.out + qrow0 * DV);
+  for (int idx = 2 * threadIdx.x; idx < v * DV; idx += 2 * kThreads) {
+    const int r = idx / DV;
+    RedT tot[2] = {red[idx], red[idx + 1]};
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) tot += red[(w * 8 + r) * DV + c];
+    for (int w = 1; w < kWarps; ++w)
+#pragma unroll
+      for (int x = 0; x < 2; ++x) tot[x] += red[w * 8 * DV + idx + x];
     if constexpr (C::kFp16) {
-      out[idx] = __float2half_rn(tot);
+      out[idx / 2] = __floats2half2_rn(tot[0], tot[1]);
     } else {
       constexpr float kQmax = static_cast<float>((1 << PB) - 1);
       float s = 0.f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) s += red_sum[w][r];
       const float rs = count == 0 ? 0.f : 1.f / (s * kQmax);
-      out[idx] = __float2half_rn(__ll2float_rn(tot) * (rs * p.scale_v[bh * DV + c]));
+      out[idx / 2] = __halves2half2(__float2half_rn(__ll2float_rn(tot[0]) * (rs * sv[0])),
+                                    __float2half_rn(__ll2float_rn(tot[1]) * (rs * sv[1])));
     }
   }
 }

@@ -1,18 +1,22 @@
 // SDDMM on tensor cores: C = (A B^T) sampled at an SR-BCRS vector mask, with
 // the dequantization fused into the epilogue.
 //
-// One warp owns one or two consecutive stride blocks, each the V x S output
-// tile of a vector row i at slots [p0, p0 + S). A block -> row table built by
-// a small kernel per call splits the work evenly however unequal the rows are
-// (one huge row, empty rows), so row_order is not needed for balance.
+// One warp streams every stride block of one vector row, the rows taken
+// through row_order so that a CTA's eight rows have similar lengths. The
+// row's A fragment and scales are loaded once; while a block is multiplied,
+// the next block's B gathers and the column indices of the block after it
+// are already in flight, so the per-block cost is its loads, MMAs and
+// epilogue, with no index chain in front of them.
 //
+// A block is the V x S output tile of vector row i at slots [p0, p0 + S).
 // Per k chunk a lane loads one contiguous run of its gathered B rows (slots
 // g, g + 8, g + 16, g + 24) and of A row g, and the warp issues the MMAs of
 // the transposed tile (see sddmm_mma.cuh). Accumulation is int32 per
 // instruction family; the 16-bit path multiplies bit planes (hi signed, lo
-// unsigned) and recombines them in int64. The tile goes through shared memory
-// so the output block, contiguous in the SR-BCRS value layout, is written with
-// 16-byte stores.
+// unsigned) and recombines them in int64. A float16 tile is transposed into
+// shared memory (stmatrix on sm_90) so that the output block, contiguous in
+// the SR-BCRS value layout, leaves in 16-byte stores; an int64 tile is stored
+// straight from the fragments, eight lanes filling 64 contiguous bytes.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -28,27 +32,42 @@ namespace magicube_sddmm {
 
 enum Mode : int { kInt8 = 0, kInt4 = 1, kInt16 = 2, kHalf = 3 };
 
-// LB: bytes a lane loads per row per chunk; CK: k elements per chunk.
+// LB: bytes a lane loads per row per chunk; CK: k elements per chunk; KC:
+// chunks per k step, the unit that is prefetched a block ahead (float16 takes
+// two so that K = 64 is one step, like the 8-bit modes).
 template <int MODE>
 struct Traits;
 template <>
 struct Traits<kInt8> {
-  static constexpr int LB = 16, CK = 64;
+  static constexpr int LB = 16, CK = 64, KC = 1;
 };
 template <>
 struct Traits<kInt4> {
-  static constexpr int LB = 8, CK = 64;
+  static constexpr int LB = 8, CK = 64, KC = 1;
 };
 template <>
 struct Traits<kInt16> {
-  static constexpr int LB = 32, CK = 64;
+  static constexpr int LB = 32, CK = 64, KC = 1;
 };
 template <>
 struct Traits<kHalf> {
-  static constexpr int LB = 16, CK = 32;
+  static constexpr int LB = 16, CK = 32, KC = 2;
 };
 
+// Bytes of a row that one k step covers.
+constexpr int step_bytes(int mode) {
+  return mode == kInt8    ? Traits<kInt8>::KC * 4 * Traits<kInt8>::LB
+         : mode == kInt4  ? Traits<kInt4>::KC * 4 * Traits<kInt4>::LB
+         : mode == kInt16 ? Traits<kInt16>::KC * 4 * Traits<kInt16>::LB
+                          : Traits<kHalf>::KC * 4 * Traits<kHalf>::LB;
+}
+
 constexpr int kWarps = 8;
+constexpr int kStride = 32;
+// Load unit of 16-byte aligned rows of exactly one k step (K = 64 in every
+// mode): no bound checks, no zero fill, and the operand row is held for the
+// whole vector row.
+constexpr int kWholeSteps = 32;
 
 // Operand words of one row for one chunk: 4 words feed two consecutive MMAs
 // (words 0, 1 the first, 2, 3 the second). The 16-bit mode has two planes.
@@ -58,12 +77,9 @@ struct Operand {
   uint32_t lo[MODE == kInt16 ? 4 : 1];
 };
 
-template <int MODE, int AL>
-__device__ __forceinline__ void load_operand(Operand<MODE>& op, const uint8_t* row, int off,
-                                             int row_bytes) {
-  constexpr int LB = Traits<MODE>::LB;
-  uint32_t raw[LB / 4];
-  load_row_bytes<LB, AL>(raw, row, off, row_bytes);
+template <int MODE>
+__device__ __forceinline__ void to_operand(Operand<MODE>& op,
+                                           const uint32_t (&raw)[Traits<MODE>::LB / 4]) {
   if constexpr (MODE == kInt4) {
     unpack_s4(raw[0], op.w[0], op.w[1]);
     unpack_s4(raw[1], op.w[2], op.w[3]);
@@ -84,259 +100,305 @@ struct Acc {
   int ll[MODE == kInt16 ? 4 : 1];  // lo x lo, weight 1
 };
 
-template <typename OutT>
-__device__ __forceinline__ OutT zero_out() {
-  if constexpr (std::is_same<OutT, int64_t>::value) {
-    return 0;
-  } else {
-    return __float2half_rn(0.f);
-  }
-}
+// One block's B rows of one k step as they arrive, raw: chunk u, row q (slot
+// 8q + g), plus what the block's epilogue needs. Held in registers, two of
+// them per warp, so the next block's loads never wait on this block's MMAs.
+// Columns stay with the lane that owns the slot (lane = slot) and reach the
+// lanes that gather them by shuffles, which costs fewer registers.
+template <int MODE>
+struct Gather {
+  uint32_t raw[Traits<MODE>::KC][4][Traits<MODE>::LB / 4];
+  int own;         // the lane's own slot's column; 0 for padding, whose rows are
+                   // read (row 0 exists) and multiplied but never stored
+  uint32_t kept;   // bit s: slot s is not padding
+  int ahead;       // the lane's own slot's column (raw) two blocks further on
+  float sb;        // scale_b of the lane's own slot
+};
 
-// block_row[j] = the vector row that stride block j belongs to. One thread
-// per vector row; a launch of M/V threads, so that the SDDMM warps find their
-// row with one load issued beside their col_idx loads instead of a search.
-template <int S>
-__global__ void block_rows_kernel(const int* __restrict__ row_ptr, int num_vrows, int num_blocks,
-                                  int* __restrict__ block_row) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= num_vrows) return;
-  const int start = row_ptr[2 * i];
-  const int padded = (row_ptr[2 * i + 1] - start + S - 1) / S;
-  for (int j = 0; j < padded; ++j) {
-    const int blk = start / S + j;
-    if (blk >= 0 && blk < num_blocks) block_row[blk] = i;
-  }
-}
+// 16-byte chunk (row r, slots 8q..8q+7) of a float16 tile: the XOR spreads the
+// eight rows of each stmatrix matrix over all 32 banks.
+__device__ __forceinline__ int tile_chunk(int r, int q) { return 4 * r + (q ^ ((r >> 1) & 3)); }
 
-// NT: m16 tiles per stride block (S = 16 NT slots); NB: stride blocks per
-// warp, whose loads are all issued before any of them is waited on.
-// Four resident CTAs (32 warps, 64 registers a thread) keep enough gathers in
-// flight; the 16-bit planes need twice the registers.
-template <int MODE, int AL, typename OutT, int NT, int NB>
-__global__ void __launch_bounds__(kWarps * 32, MODE == kInt16 ? 2 : 4)
-    sddmm_kernel(const int* __restrict__ col_idx,
-                 const int* __restrict__ block_row, int num_vrows, int num_blocks, int64_t nnz_pad,
-                 const uint8_t* __restrict__ a,
-                 const uint8_t* __restrict__ b, const float* __restrict__ scale_a,
-                 const float* __restrict__ scale_b, OutT* __restrict__ out, int m, int n,
-                 int k, int row_bytes, int v) {
-  constexpr int S = 16 * NT;
+// Grid (ceil(M/V / 8), BH); warp w of CTA x owns vector row row_order[8x + w].
+// 8- and 4-bit operands fit 80 registers (three CTAs, 24 warps an SM); the
+// 16-bit planes and the float16 two-chunk step need up to 128 (two CTAs).
+template <int MODE, int AL, typename OutT>
+__global__ void __launch_bounds__(kWarps * 32, MODE == kInt8 || MODE == kInt4 ? 3 : 2)
+    sddmm_kernel(const int* __restrict__ row_ptr, const int* __restrict__ col_idx,
+                 const int* __restrict__ row_order, int num_vrows, int num_blocks,
+                 int64_t nnz_pad, const uint8_t* __restrict__ a, const uint8_t* __restrict__ b,
+                 const float* __restrict__ scale_a, const float* __restrict__ scale_b,
+                 OutT* __restrict__ out, int m, int n, int k, int row_bytes_arg, int v) {
+  constexpr int S = kStride;
   constexpr int LB = Traits<MODE>::LB;
   constexpr int CK = Traits<MODE>::CK;
-  constexpr int kTileBytes = 8 * S * static_cast<int>(sizeof(OutT));
-  __shared__ __align__(16) uint8_t smem[kWarps][kTileBytes];
+  constexpr int KC = Traits<MODE>::KC;
+  constexpr bool kHalfOut = std::is_same<OutT, __half>::value;
+  constexpr bool kScaled = MODE != kHalf && kHalfOut;
+  const int row_bytes = AL == kWholeSteps ? step_bytes(MODE) : row_bytes_arg;
+  // Two tiles a warp, alternating by block: one __syncwarp a block then
+  // orders each tile's reads before its next writes.
+  __shared__ __align__(16) uint8_t smem[kHalfOut ? kWarps : 1][2][8 * S * 2];
 
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int blk0 = (blockIdx.x * kWarps + warp) * NB;
-  if (blk0 >= num_blocks) return;
+  const int order_pos = blockIdx.x * kWarps + warp;
+  if (order_pos >= num_vrows) return;
+  const int vrow = min(max(__ldg(row_order + order_pos), 0), num_vrows - 1);
+  const int start = __ldg(row_ptr + 2 * vrow);
+  const int end = __ldg(row_ptr + 2 * vrow + 1);
+  // The row's blocks [start / S, + ceil(count / S)), clipped to the values.
+  const int64_t first = start / S;
+  const int64_t last = first + (static_cast<int64_t>(end) - start + S - 1) / S;
+  const int lo = static_cast<int>(first < 0 ? 0 : first > num_blocks ? num_blocks : first);
+  const int hi = static_cast<int>(last < lo ? lo : last > num_blocks ? num_blocks : last);
+  if (lo >= hi) return;
+
   const int64_t bh = blockIdx.y;
   const int g = lane >> 2;
   const int t = lane & 3;
-  constexpr bool kScaled = MODE != kHalf && !std::is_same<OutT, int64_t>::value;
-
-  // The gathered rows depend only on col_idx, the A rows only on block_row:
-  // both chains start at once.
-  int col[NB][NT][2];
-  float sb[NB][NT][2];
-  const uint8_t* b_bh = b + bh * n * row_bytes;
-  auto grow = [&](int c) { return b_bh + static_cast<int64_t>(c < 0 ? 0 : c) * row_bytes; };
-  auto grow_bytes = [&](int c) { return c < 0 ? 0 : row_bytes; };
-  Operand<MODE> go[NB][NT][2];
-#pragma unroll
-  for (int q = 0; q < NB; ++q) {
-    const bool live = blk0 + q < num_blocks;
-    const int64_t p0 = static_cast<int64_t>(blk0 + q) * S;
-#pragma unroll
-    for (int h = 0; h < NT; ++h) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = live ? __ldg(col_idx + p0 + h * 16 + g + 8 * e) : -1;
-        const bool valid = c >= 0 && c < n;
-        col[q][h][e] = valid ? c : -1;
-        sb[q][h][e] = 0.f;
-        if constexpr (kScaled) {
-          if (valid) sb[q][h][e] = __ldg(scale_b + bh * n + c);
-        }
-        load_operand<MODE, AL>(go[q][h][e], grow(col[q][h][e]), t * LB, grow_bytes(col[q][h][e]));
-      }
-    }
-  }
-
-  int vrow[NB];
-#pragma unroll
-  for (int q = 0; q < NB; ++q)
-    vrow[q] = blk0 + q < num_blocks ? min(max(__ldg(block_row + blk0 + q), 0), num_vrows - 1) : 0;
+  const uint8_t* b_lane = b + bh * n * row_bytes + t * LB;
+  const float* sb_bh = kScaled ? scale_b + bh * n : scale_b;
+  const int* col_lane = col_idx + lane;
 
   const bool a_valid = g < v;
-  const uint8_t* arow[NB];
-#pragma unroll
-  for (int q = 0; q < NB; ++q)
-    arow[q] = a + (bh * m + static_cast<int64_t>(vrow[q]) * v + (a_valid ? g : 0)) * row_bytes;
+  const int64_t arow0 = bh * m + static_cast<int64_t>(vrow) * v;
+  const uint8_t* arow = a + (arow0 + (a_valid ? g : 0)) * row_bytes;
   const int arow_bytes = a_valid ? row_bytes : 0;
-  // The lane's two output rows' scales, fetched beside A rather than after
-  // the MMAs, where their latency would stall the epilogue.
-  float sa[NB][2];
+  float sa[2] = {0.f, 0.f};
+  if constexpr (kScaled) {
 #pragma unroll
-  for (int q = 0; q < NB; ++q) {
-#pragma unroll
-    for (int jj = 0; jj < 2; ++jj) {
-      sa[q][jj] = 0.f;
-      if constexpr (kScaled) {
-        if (2 * t + jj < v) sa[q][jj] = __ldg(scale_a + bh * m + static_cast<int64_t>(vrow[q]) * v + 2 * t + jj);
-      }
-    }
+    for (int jj = 0; jj < 2; ++jj)
+      if (2 * t + jj < v) sa[jj] = __ldg(scale_a + arow0 + 2 * t + jj);
   }
 
-  Acc<MODE> acc[NB][NT];
+  const int num_chunks = max((k + CK - 1) / CK, 1);
+  const int num_steps = AL == kWholeSteps ? 1 : (num_chunks + KC - 1) / KC;
+  auto chunk_off = [&](int step, int u) { return (step * KC + u) * 4 * LB + t * LB; };
+
+  Operand<MODE> ao[KC];
+  auto load_a = [&](int step) {
 #pragma unroll
-  for (int q = 0; q < NB; ++q) {
+    for (int u = 0; u < KC; ++u) {
+      uint32_t raw[LB / 4];
+      load_row_bytes<LB, AL == kWholeSteps ? 16 : AL>(raw, arow, chunk_off(step, u), arow_bytes);
+      to_operand<MODE>(ao[u], raw);
+    }
+  };
+
+  auto load_b = [&](Gather<MODE>& gb, int step) {
 #pragma unroll
-    for (int h = 0; h < NT; ++h) {
+    for (int q = 0; q < 4; ++q) {
+      const uint32_t c = __shfl_sync(0xffffffffu, gb.own, 8 * q + g);
+      const uint8_t* row = b_lane + static_cast<uint64_t>(c) * static_cast<uint32_t>(row_bytes);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        acc[q][h].d[j] = 0;
-        if constexpr (MODE == kInt16) {
-          acc[q][h].x[j] = 0;
-          acc[q][h].ll[j] = 0;
+      for (int u = 0; u < KC; ++u) {
+        if constexpr (AL == kWholeSteps) {
+          load_full<LB>(gb.raw[u][q], row + chunk_off(step, u) - t * LB);
+        } else {
+          load_row_bytes<LB, AL>(gb.raw[u][q], row - t * LB, chunk_off(step, u), row_bytes);
         }
       }
     }
-  }
+  };
 
-  const int num_chunks = (k + CK - 1) / CK;
-  for (int ch = 0; ch < num_chunks; ++ch) {
-    const int off = ch * 4 * LB + t * LB;
-    Operand<MODE> ao[NB];
-#pragma unroll
-    for (int q = 0; q < NB; ++q) load_operand<MODE, AL>(ao[q], arow[q], off, arow_bytes);
-    if (ch > 0) {
-#pragma unroll
-      for (int q = 0; q < NB; ++q) {
-#pragma unroll
-        for (int h = 0; h < NT; ++h) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) load_operand<MODE, AL>(go[q][h][e], grow(col[q][h][e]), off, grow_bytes(col[q][h][e]));
-        }
-      }
+  // The block's columns were fetched two blocks ago: its scales and first B
+  // step go out at once, and the columns two blocks on are fetched.
+  auto start_block = [&](Gather<MODE>& gb, int blk) {
+    const int own = gb.ahead;
+    if (blk + 2 < hi) gb.ahead = __ldg(col_lane + static_cast<int64_t>(blk + 2) * S);
+    const bool ok = own >= 0 && own < n;
+    gb.own = ok ? own : 0;
+    gb.kept = __ballot_sync(0xffffffffu, ok);
+    gb.sb = 0.f;
+    if constexpr (kScaled) {
+      if (ok) gb.sb = __ldg(sb_bh + static_cast<uint32_t>(own));
     }
+    load_b(gb, 0);
+  };
+
+  auto multiply = [&](const Gather<MODE>& gb, Acc<MODE> (&acc)[2], int step) {
 #pragma unroll
-    for (int q = 0; q < NB; ++q) {
+    for (int u = 0; u < KC; ++u) {
+      // A chunk past K would only add zero products (and turn a -0 sum into +0).
+      if (AL != kWholeSteps && u > 0 && step * KC + u >= num_chunks) break;
+      Operand<MODE> go[4];
 #pragma unroll
-      for (int h = 0; h < NT; ++h) {
-        const Operand<MODE>& g0 = go[q][h][0];
-        const Operand<MODE>& g1 = go[q][h][1];
-        Acc<MODE>& ac = acc[q][h];
+      for (int q = 0; q < 4; ++q) to_operand<MODE>(go[q], gb.raw[u][q]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const Operand<MODE>& g0 = go[2 * h];
+        const Operand<MODE>& g1 = go[2 * h + 1];
+        const Operand<MODE>& ar = ao[u];
+        Acc<MODE>& ac = acc[h];
 #pragma unroll
         for (int s2 = 0; s2 < 2; ++s2) {
           const int w0 = 2 * s2, w1 = 2 * s2 + 1;
           if constexpr (MODE == kHalf) {
-            mma_f16(ac.d, g0.w[w0], g1.w[w0], g0.w[w1], g1.w[w1], ao[q].w[w0], ao[q].w[w1]);
+            mma_f16(ac.d, g0.w[w0], g1.w[w0], g0.w[w1], g1.w[w1], ar.w[w0], ar.w[w1]);
           } else if constexpr (MODE == kInt16) {
-            mma_s8s8(ac.d, g0.w[w0], g1.w[w0], g0.w[w1], g1.w[w1], ao[q].w[w0], ao[q].w[w1]);
-            mma_s8u8(ac.x, g0.w[w0], g1.w[w0], g0.w[w1], g1.w[w1], ao[q].lo[w0], ao[q].lo[w1]);
-            mma_u8s8(ac.x, g0.lo[w0], g1.lo[w0], g0.lo[w1], g1.lo[w1], ao[q].w[w0], ao[q].w[w1]);
-            mma_u8u8(ac.ll, g0.lo[w0], g1.lo[w0], g0.lo[w1], g1.lo[w1], ao[q].lo[w0], ao[q].lo[w1]);
+            mma_s8s8(ac.d, g0.w[w0], g1.w[w0], g0.w[w1], g1.w[w1], ar.w[w0], ar.w[w1]);
+            mma_s8u8(ac.x, g0.w[w0], g1.w[w0], g0.w[w1], g1.w[w1], ar.lo[w0], ar.lo[w1]);
+            mma_u8s8(ac.x, g0.lo[w0], g1.lo[w0], g0.lo[w1], g1.lo[w1], ar.w[w0], ar.w[w1]);
+            mma_u8u8(ac.ll, g0.lo[w0], g1.lo[w0], g0.lo[w1], g1.lo[w1], ar.lo[w0], ar.lo[w1]);
           } else {
-            mma_s8s8(ac.d, g0.w[w0], g1.w[w0], g0.w[w1], g1.w[w1], ao[q].w[w0], ao[q].w[w1]);
+            mma_s8s8(ac.d, g0.w[w0], g1.w[w0], g0.w[w1], g1.w[w1], ar.w[w0], ar.w[w1]);
           }
         }
       }
     }
-  }
+  };
 
-  // Fragment element j of tile h: slot h*16 + g + 8*(j/2), A row 2t + j%2.
-  OutT* tile = reinterpret_cast<OutT*>(smem[warp]);
-  const int vec_count = v * S * static_cast<int>(sizeof(OutT)) / 16;
+  // The exact integer result of fragment element j of tile h.
+  auto exact = [&](const Acc<MODE>& ac, int j) -> int64_t {
+    int64_t qv = ac.d[j];
+    if constexpr (MODE == kInt16) {
+      qv = qv * 65536 + static_cast<int64_t>(ac.x[j]) * 256 + ac.ll[j];
+    }
+    return qv;
+  };
+
+  // Fragment element j of tile h: slot 16h + g + 8(j / 2) (row q = 2h + j / 2
+  // of the gather), output row 2t + j % 2.
+  OutT* const out_bh = out + bh * nnz_pad * v;
+  const uint32_t tile_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem[kHalfOut ? warp : 0]));
+  auto finish_block = [&](const Gather<MODE>& gb, const Acc<MODE> (&acc)[2], int blk, int tile) {
+    OutT* dst = out_bh + static_cast<int64_t>(blk) * (S * v);
+    const uint32_t kept = gb.kept >> g;
+    if constexpr (kHalfOut) {
+      float sb[4];
 #pragma unroll
-  for (int q = 0; q < NB; ++q) {
-    if (blk0 + q >= num_blocks) break;
-    const int64_t p0 = static_cast<int64_t>(blk0 + q) * S;
-    if (q > 0) __syncwarp();
+      for (int q = 0; q < 4; ++q) sb[q] = kScaled ? __shfl_sync(0xffffffffu, gb.sb, 8 * q + g) : 0.f;
+      uint32_t packed[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = 2 * t + (j & 1);
-      if (r >= v) continue;
+      for (int q = 0; q < 4; ++q) {
+        const int h = q >> 1, e = q & 1;
+        float f[2];
 #pragma unroll
-      for (int h = 0; h < NT; ++h) {
-        const int e = j >> 1;
-        const int slot = h * 16 + g + 8 * e;
-        OutT val = zero_out<OutT>();
-        if (col[q][h][e] >= 0) {
+        for (int jj = 0; jj < 2; ++jj) {
+          const int j = 2 * e + jj;
           if constexpr (MODE == kHalf) {
-            val = __float2half_rn(acc[q][h].d[j]);
+            f[jj] = acc[h].d[j];
+          } else if constexpr (MODE == kInt16) {
+            f[jj] = __ll2float_rn(exact(acc[h], j)) * (sa[jj] * sb[q]);
           } else {
-            int64_t qv = acc[q][h].d[j];
-            if constexpr (MODE == kInt16) {
-              qv = qv * 65536 + static_cast<int64_t>(acc[q][h].x[j]) * 256 + acc[q][h].ll[j];
-            }
-            if constexpr (std::is_same<OutT, int64_t>::value) {
-              val = qv;
-            } else {
-              // An int32 accumulator rounds to fp32 the same through the cheaper
-              // 32-bit conversion.
-              const float acc_f = MODE == kInt16 ? __ll2float_rn(qv) : __int2float_rn(acc[q][h].d[j]);
-              val = __float2half_rn(acc_f * (sa[q][j & 1] * sb[q][h][e]));
-            }
+            // An int32 accumulator rounds to fp32 the same through the cheaper
+            // 32-bit conversion.
+            f[jj] = __int2float_rn(acc[h].d[j]) * (sa[jj] * sb[q]);
           }
         }
-        tile[r * S + slot] = val;
+        const __half2 hv = __floats2half2_rn(f[0], f[1]);
+        packed[q] = (kept >> (8 * q)) & 1u ? *reinterpret_cast<const uint32_t*>(&hv) : 0u;
+      }
+      const uint32_t buf = tile_base + tile * (8 * S * 2);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      stmatrix_x4_trans(buf + 16 * tile_chunk(lane & 7, lane >> 3), packed[0], packed[1], packed[2], packed[3]);
+#else
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          const uint16_t hv = static_cast<uint16_t>(packed[q] >> (16 * jj));
+          asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(buf + 16 * tile_chunk(2 * t + jj, q) + 2 * g), "h"(hv)
+                       : "memory");
+        }
+      }
+#endif
+      __syncwarp();
+      // Chunk o of the block is row o / 4, slots 8 (o % 4)..: V rows of 64 bytes.
+      if (lane < 4 * v) {
+        uint4 val;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                     : "r"(buf + 16 * tile_chunk(lane >> 2, lane & 3))
+                     : "memory");
+        reinterpret_cast<uint4*>(dst)[lane] = val;
+      }
+    } else {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          const int r = 2 * t + jj;
+          if (r < v) dst[r * S + 8 * q + g] = (kept >> (8 * q)) & 1u ? exact(acc[q >> 1], 2 * (q & 1) + jj) : 0;
+        }
       }
     }
-    __syncwarp();
-    const uint4* src = reinterpret_cast<const uint4*>(smem[warp]);
-    uint4* dst = reinterpret_cast<uint4*>(out + bh * nnz_pad * v + p0 * v);
-    for (int o = lane; o < vec_count; o += 32) dst[o] = src[o];
+  };
+
+  auto process = [&](Gather<MODE>& cur, Gather<MODE>& next, int blk, int tile) {
+    if (blk + 1 < hi) start_block(next, blk + 1);
+    Acc<MODE> acc[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        acc[h].d[j] = 0;
+        if constexpr (MODE == kInt16) {
+          acc[h].x[j] = 0;
+          acc[h].ll[j] = 0;
+        }
+      }
+    }
+    for (int step = 0; step < num_steps; ++step) {
+      if (step > 0) load_b(cur, step);
+      if (num_steps > 1) load_a(step);
+      multiply(cur, acc, step);
+    }
+    finish_block(cur, acc, blk, tile);
+  };
+
+  if (num_steps == 1) load_a(0);
+  Gather<MODE> gather[2];
+  gather[0].ahead = __ldg(col_lane + static_cast<int64_t>(lo) * S);
+  gather[1].ahead = lo + 1 < hi ? __ldg(col_lane + static_cast<int64_t>(lo + 1) * S) : -1;
+  start_block(gather[0], lo);
+  for (int blk = lo; blk < hi; blk += 2) {
+    process(gather[0], gather[1], blk, 0);
+    if (blk + 1 >= hi) break;
+    process(gather[1], gather[0], blk + 1, 1);
   }
 }
 
-template <int MODE, int AL, typename OutT, int NT>
-void launch(const at::Tensor& row_ptr, const at::Tensor& col_idx, int64_t num_vrows,
-            int64_t nnz_pad, int64_t bh, const at::Tensor& a, const at::Tensor& b,
-            const float* sa, const float* sb, at::Tensor& out, int64_t m, int64_t n, int64_t k,
-            int64_t row_bytes, int64_t v) {
-  constexpr int S = 16 * NT;
-  // One block per warp: at 64 registers 32 resident warps keep more gathers
-  // in flight than 16 warps of two blocks each would.
-  constexpr int NB = 1;
-  const int64_t num_blocks = nnz_pad / S;
-  at::Tensor block_row = at::empty({num_blocks}, row_ptr.options());
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  block_rows_kernel<S><<<static_cast<unsigned>((num_vrows + 127) / 128), 128, 0, stream>>>(
-      row_ptr.data_ptr<int>(), static_cast<int>(num_vrows), static_cast<int>(num_blocks),
-      block_row.data_ptr<int>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const int64_t num_warps = (num_blocks + NB - 1) / NB;
-  const dim3 grid(static_cast<unsigned>((num_warps + kWarps - 1) / kWarps), static_cast<unsigned>(bh));
-  sddmm_kernel<MODE, AL, OutT, NT, NB><<<grid, kWarps * 32, 0, stream>>>(
-      col_idx.data_ptr<int>(), block_row.data_ptr<int>(), static_cast<int>(num_vrows),
-      static_cast<int>(num_blocks), nnz_pad, static_cast<const uint8_t*>(a.data_ptr()),
-      static_cast<const uint8_t*>(b.data_ptr()), sa, sb, static_cast<OutT*>(out.data_ptr()),
-      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), static_cast<int>(row_bytes),
-      static_cast<int>(v));
+template <int MODE, int AL, typename OutT>
+void launch(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order,
+            int64_t num_vrows, int64_t nnz_pad, int64_t bh, const at::Tensor& a,
+            const at::Tensor& b, const float* sa, const float* sb, at::Tensor& out, int64_t m,
+            int64_t n, int64_t k, int64_t row_bytes, int64_t v) {
+  const dim3 grid(static_cast<unsigned>((num_vrows + kWarps - 1) / kWarps), static_cast<unsigned>(bh));
+  sddmm_kernel<MODE, AL, OutT><<<grid, kWarps * 32, 0, at::cuda::getCurrentCUDAStream()>>>(
+      row_ptr.data_ptr<int>(), col_idx.data_ptr<int>(), row_order.data_ptr<int>(),
+      static_cast<int>(num_vrows), static_cast<int>(nnz_pad / kStride), nnz_pad,
+      static_cast<const uint8_t*>(a.data_ptr()), static_cast<const uint8_t*>(b.data_ptr()), sa, sb,
+      static_cast<OutT*>(out.data_ptr()), static_cast<int>(m), static_cast<int>(n),
+      static_cast<int>(k), static_cast<int>(row_bytes), static_cast<int>(v));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The widest unit (16, 4, 2 or 1 bytes) that divides every row's address.
-int64_t load_unit(int64_t row_bytes, const at::Tensor& a, const at::Tensor& b) {
+// The widest unit (16, 4, 2 or 1 bytes) that divides every row's address,
+// kWholeSteps where 16 does and a row is one k step of `mode`.
+int64_t load_unit(int mode, int64_t row_bytes, const at::Tensor& a, const at::Tensor& b) {
   const auto pa = reinterpret_cast<uintptr_t>(a.data_ptr());
   const auto pb = reinterpret_cast<uintptr_t>(b.data_ptr());
   for (int64_t u : {16, 4, 2}) {
-    if (row_bytes % u == 0 && pa % u == 0 && pb % u == 0) return u;
+    if (row_bytes % u == 0 && pa % u == 0 && pb % u == 0) {
+      return u == 16 && row_bytes == step_bytes(mode) ? kWholeSteps : u;
+    }
   }
   return 1;
 }
 
-template <int MODE, typename OutT, int NT>
+template <int MODE, typename OutT>
 void dispatch_unit(int64_t unit, const at::Tensor& row_ptr, const at::Tensor& col_idx,
+                   const at::Tensor& row_order,
                    int64_t num_vrows, int64_t nnz_pad, int64_t bh, const at::Tensor& a,
                    const at::Tensor& b, const float* sa, const float* sb, at::Tensor& out,
                    int64_t m, int64_t n, int64_t k, int64_t row_bytes, int64_t v) {
 #define MAGICUBE_SDDMM_LAUNCH(U)                                                                  \
-  launch<MODE, U, OutT, NT>(row_ptr, col_idx, num_vrows, nnz_pad, bh, a, b, sa, sb, out, m, n, k, \
+  launch<MODE, U, OutT>(row_ptr, col_idx, row_order, num_vrows, nnz_pad, bh, a, b, sa, sb, out, m, n, k, \
                             row_bytes, v)
   switch (unit) {
+    case kWholeSteps: MAGICUBE_SDDMM_LAUNCH(kWholeSteps); break;
     case 16: MAGICUBE_SDDMM_LAUNCH(16); break;
     case 4: MAGICUBE_SDDMM_LAUNCH(4); break;
     case 2: MAGICUBE_SDDMM_LAUNCH(2); break;
@@ -401,7 +463,7 @@ at::Tensor sddmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx,
   MAGICUBE_CHECK(k <= k_max, "sddmm: K = ", k, " exceeds the exact int32 accumulation limit ", k_max);
   MAGICUBE_CHECK(n < INT32_MAX && m < INT32_MAX && bh <= 65535, "sddmm: a or b is too large");
 
-  constexpr int64_t S = 32;
+  constexpr int64_t S = kStride;
   const int64_t nnz_pad = col_idx.numel();
   MAGICUBE_CHECK(nnz_pad % S == 0, "sddmm: col_idx length (", nnz_pad,
               ") must be a multiple of the stride ", S);
@@ -428,10 +490,12 @@ at::Tensor sddmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx,
 
   at::Tensor out = at::empty({bh, nnz_pad * v}, a.options().dtype(out_dtype));
   if (bh == 0 || nnz_pad == 0) return out;
+  // No vector row owns a block, or no column is in range: every slot is padding.
+  if (num_vrows == 0 || n == 0) return out.zero_();
 
-  const int64_t unit = load_unit(row_bytes, a, b);
+  const int64_t unit = load_unit(mode, row_bytes, a, b);
 #define MAGICUBE_SDDMM_DISPATCH(MODE, OUT)                                                       \
-  dispatch_unit<MODE, OUT, S / 16>(unit, row_ptr, col_idx, num_vrows, nnz_pad, bh, a, b, sa, sb, \
+  dispatch_unit<MODE, OUT>(unit, row_ptr, col_idx, row_order, num_vrows, nnz_pad, bh, a, b, sa, sb, \
                                    out, m, n, k, row_bytes, v)
   const bool i64 = out_dtype == at::kLong;
   switch (mode) {

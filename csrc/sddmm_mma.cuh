@@ -98,6 +98,39 @@ __device__ __forceinline__ void load_row_bytes(uint32_t (&dst)[LB / 4], const ui
   }
 }
 
+// Loads LB bytes at `p` (aligned to min(LB, 16)) with no bound: for rows
+// whose every k step lies inside the row.
+template <int LB>
+__device__ __forceinline__ void load_full(uint32_t (&dst)[LB / 4], const uint8_t* p) {
+  static_assert(LB == 8 || LB % 16 == 0, "bad load shape");
+  if constexpr (LB == 8) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    dst[0] = v.x;
+    dst[1] = v.y;
+  } else {
+#pragma unroll
+    for (int u = 0; u < LB / 16; ++u) {
+      const uint4 v = *reinterpret_cast<const uint4*>(p + 16 * u);
+      dst[4 * u + 0] = v.x;
+      dst[4 * u + 1] = v.y;
+      dst[4 * u + 2] = v.z;
+      dst[4 * u + 3] = v.w;
+    }
+  }
+}
+
+// Four 8x8 b16 matrices, each held as an mma fragment (lane: row lane / 4, the
+// b16 pair of columns 2 (lane % 4), + 1), stored transposed: lane L names the
+// address of row L % 8 of matrix L / 8 of the transpose.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1,
+                                                  uint32_t r2, uint32_t r3) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+#endif
+}
+
 // Eight packed two's-complement nibbles -> two words of four sign-extended
 // int8 each (even elements, odd elements). Both operands go through the same
 // map, so the k permutation it introduces cancels in the dot product.

@@ -34,6 +34,7 @@
 
 #include <cstdint>
 #include <cuda_fp16.h>
+#include <type_traits>
 
 #include "mma.cuh"
 
@@ -123,6 +124,34 @@ __device__ __forceinline__ uint2 lds64(uint32_t addr) {
   return v;
 }
 
+__device__ __forceinline__ float to_float(int x) { return __int2float_rn(x); }
+__device__ __forceinline__ float to_float(int64_t x) { return __ll2float_rn(x); }
+
+// W consecutive output elements of one row starting at column c (< ncols when vec): one vector
+// store when the row layout keeps it aligned (vec: N % W == 0), else element by element.
+template <int W, typename T>
+__device__ __forceinline__ void store_run(T* row, int c, int ncols, bool vec, const T (&x)[W]) {
+  if (vec) {
+    if (c >= ncols) return;
+    if constexpr (W == 1) {
+      row[c] = x[0];
+    } else if constexpr (sizeof(T) == 2 && W == 2) {
+      *reinterpret_cast<__half2*>(row + c) = __halves2half2(x[0], x[1]);
+    } else if constexpr (sizeof(T) == 2 && W == 4) {
+      *reinterpret_cast<uint2*>(row + c) =
+          make_uint2(__half_as_ushort(x[0]) | (uint32_t)__half_as_ushort(x[1]) << 16,
+                     __half_as_ushort(x[2]) | (uint32_t)__half_as_ushort(x[3]) << 16);
+    } else {
+#pragma unroll
+      for (int i = 0; i < W; i += 2) *reinterpret_cast<longlong2*>(row + c + i) = make_longlong2(x[i], x[i + 1]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < W; ++i)
+      if (c + i < ncols) row[c + i] = x[i];
+  }
+}
+
 template <int AB, bool AS, int BB, bool FAST>
 __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   using K = Kind<AB, AS, BB>;
@@ -132,9 +161,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   constexpr int kDenseStage = kSlots * kTileBytes;
   constexpr int kSparseStage = 8 * K::kSparseRowBytes;
   constexpr int kStageBytes = kDenseStage + kSparseStage;
-  constexpr int kOutBytes = 8 * K::kTileCols * 8;
-  constexpr int kSmem = kStages * kStageBytes > kOutBytes ? kStages * kStageBytes : kOutBytes;
-  __shared__ __align__(128) uint8_t smem[kSmem];
+  __shared__ __align__(128) uint8_t smem[kStages * kStageBytes];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -356,51 +383,101 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
       }
     }
   }
-  cp_async_wait<0>();
-  __syncthreads();
+  // Every block that carried data was waited for in the loop, and the epilogue reads no shared
+  // memory, so no barrier remains.
+  //
+  // Epilogue straight from the accumulator fragments: element j of m-tile mt is output row
+  // 2t + (j & 1) of the vector row and warp-tile column tile_col(mt, g + 8 * (j >> 1)). v is even,
+  // so a thread's two rows are both live or both not.
+  const int n0 = blockIdx.y * K::kTileCols + wchunk0 * K::kColsPerChunk;
+  const int ncols = p.n - n0;
+  const bool rows_live = 2 * t < v;
+  const int64_t orow = (int64_t)bh * p.m + (int64_t)vrow * v + 2 * t;
+  auto col_of = [&](int mt, int j) { return K::tile_col(mt, g + 8 * (j >> 1)); };
 
-  // Epilogue: stage the V x tile result in shared memory, then write whole rows coalesced.
-  const int tile_col0 = wchunk0 * K::kColsPerChunk;
-  if constexpr (K::kFp16) {
-    float* stage_out = reinterpret_cast<float*>(smem);
+  // Stores fragment elements that are adjacent columns of one output row as one vector: (j, j+2)
+  // for 8-bit B; (2c, j), (2c+1, j), (2c, j+2), (2c+1, j+2) for 4-bit B. 16-bit and fp16 B hold
+  // columns g and g + 8, so neighbouring lanes swap halves to form pairs (int64 is stored singly).
+  auto store = [&](auto&& value) {
+    using T = std::remove_cv_t<std::remove_reference_t<decltype(value(0, 0))>>;
+    T* out = reinterpret_cast<T*>(p.out);
+    if constexpr (BB == 8 || BB == 4) {
+      constexpr int W = BB == 8 ? 2 : 4;
+      const bool vec = p.n % W == 0;
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
+      for (int c = 0; c < kMT * 2 / W; ++c)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int col = 2 * t + (j & 1);
-        if (col < v) stage_out[col * K::kTileCols + tile_col0 + K::tile_col(mt, g + 8 * (j >> 1))] = accf[mt][j];
+        for (int r = 0; r < 2; ++r) {
+          T x[W];
+          if constexpr (W == 2) {
+            x[0] = value(c, r);
+            x[1] = value(c, r + 2);
+          } else {
+            x[0] = value(2 * c, r);
+            x[1] = value(2 * c + 1, r);
+            x[2] = value(2 * c, r + 2);
+            x[3] = value(2 * c + 1, r + 2);
+          }
+          if (rows_live) store_run<W>(out + (orow + r) * p.n + n0, col_of(W == 2 ? c : 2 * c, 0), ncols, vec, x);
+        }
+    } else if constexpr (sizeof(T) == 2) {
+      const bool vec = p.n % 2 == 0;
+      const bool odd = g & 1;
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        const T h[4] = {value(mt, 0), value(mt, 1), value(mt, 2), value(mt, 3)};
+        const __half2 y = __shfl_xor_sync(0xffffffffu, odd ? __halves2half2(h[0], h[1]) : __halves2half2(h[2], h[3]), 4);
+        const T yr[2] = {__low2half(y), __high2half(y)};
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const T x[2] = {odd ? yr[r] : h[r], odd ? h[r + 2] : yr[r]};
+          if (rows_live) store_run<2>(out + (orow + r) * p.n + n0, col_of(mt, 0) + (odd ? 7 : 0), ncols, vec, x);
+        }
       }
-  } else {
-    fold();
-    int64_t* stage_out = reinterpret_cast<int64_t*>(smem);
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int col = 2 * t + (j & 1);
-        if (col < v)
-          stage_out[col * K::kTileCols + tile_col0 + K::tile_col(mt, g + 8 * (j >> 1))] = wide[mt][j] >> K::kShift;
-      }
-  }
-  __syncthreads();
-
-  const int n0 = blockIdx.y * K::kTileCols;
-  const int ncols = min(K::kTileCols, p.n - n0);
-  const int64_t row0 = (int64_t)bh * p.m + (int64_t)vrow * v;
-  for (int idx = tid; idx < v * K::kTileCols; idx += kThreads) {
-    const int r = idx / K::kTileCols, c = idx % K::kTileCols;
-    if (c >= ncols) continue;
-    const int64_t o = (row0 + r) * p.n + n0 + c;
-    if constexpr (K::kFp16) {
-      reinterpret_cast<__half*>(p.out)[o] = __float2half_rn(reinterpret_cast<const float*>(smem)[idx]);
     } else {
-      const int64_t x = reinterpret_cast<const int64_t*>(smem)[idx];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const T x[1] = {value(mt, j)};
+          if (rows_live) store_run<1>(out + (orow + (j & 1)) * p.n + n0, col_of(mt, j), ncols, true, x);
+        }
+    }
+  };
+
+  if constexpr (K::kFp16) {
+    store([&](int mt, int j) { return __float2half_rn(accf[mt][j]); });
+  } else {
+    auto dequantize = [&](auto&& integer) {
       if (p.out_int64) {
-        reinterpret_cast<int64_t*>(p.out)[o] = x;
+        store([&](int mt, int j) { return static_cast<int64_t>(integer(mt, j)); });
       } else {
-        const float s = p.scale_a[row0 + r] * p.scale_b[(int64_t)bh * p.n + n0 + c];
-        reinterpret_cast<__half*>(p.out)[o] = __float2half_rn(__ll2float_rn(x) * s);
+        // All scales are loaded before the first store: `out` may alias them as far as the
+        // compiler knows, so later loads could not move above a store.
+        float sa[2] = {0.f, 0.f}, sb[kMT][2];
+        if (rows_live) {
+          sa[0] = p.scale_a[orow];
+          sa[1] = p.scale_a[orow + 1];
+        }
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int c = col_of(mt, 2 * h);
+            sb[mt][h] = rows_live && c < ncols ? p.scale_b[(int64_t)bh * p.n + n0 + c] : 0.f;
+          }
+        store([&](int mt, int j) {
+          return __float2half_rn(to_float(integer(mt, j)) * (sa[j & 1] * sb[mt][j >> 1]));
+        });
       }
+    };
+    // A single-plane accumulator that was never folded (the loop folds after kFlushBlocks
+    // blocks) holds the exact result in int32.
+    if (K::kAPlanes * K::kBPlanes == 1 && nblocks < kFlushBlocks) {
+      dequantize([&](int mt, int j) { return acc[0][0][mt][j] >> K::kShift; });
+    } else {
+      fold();
+      dequantize([&](int mt, int j) { return wide[mt][j] >> K::kShift; });
     }
   }
 }

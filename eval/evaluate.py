@@ -64,8 +64,6 @@ def evaluate(path: str | Path, backends=None, split: str | None = None, batch_si
     data_cfg = {**cfg["data"], **(data_overrides or {})}
     ecfg = cfg.get("eval", {})
     backends = list(backends or ecfg.get("backends") or BACKENDS)
-    # "sparse" in a config means both sparse rows: the training function and the ops.
-    backends = [b for name in backends for b in (("sparse-masked", "sparse") if name == "sparse" else (name,))]
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown backends {unknown}; choose from {list(BACKENDS)}")
@@ -134,11 +132,17 @@ def to_markdown(report: dict) -> str:
     return head + "\n".join(lines) + "\n" + foot
 
 
+def report_paths(out: str | Path) -> tuple[Path, Path]:
+    """`<out>.md` and `<out>.json`. The suffixes are appended, not substituted: a name such as
+    `random_0.9_8b-8b` has a dot that `with_suffix` would take for a suffix."""
+    out = Path(out)
+    return out.with_name(out.name + ".md"), out.with_name(out.name + ".json")
+
+
 def write_report(report: dict, out: str | Path) -> tuple[Path, Path]:
     """Write `<out>.md` and `<out>.json`."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    md, js = out.with_suffix(".md"), out.with_suffix(".json")
+    md, js = report_paths(out)
+    md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(to_markdown(report))
     js.write_text(json.dumps(report, indent=2) + "\n")
     return md, js

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from magicube.eval.evaluate import report_paths
 from magicube.model.lra import QUANTIZED
 
 DENSE_ROWS = {"dense": "dense fp32", "dense-fp16": "dense fp16"}
@@ -97,9 +98,10 @@ def main(argv=None) -> int:
     text = to_markdown(table)
     print(text)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".md").write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps(table, indent=2) + "\n")
+        md, js = report_paths(args.out)
+        md.parent.mkdir(parents=True, exist_ok=True)
+        md.write_text(text)
+        js.write_text(json.dumps(table, indent=2) + "\n")
     return 0
 
 

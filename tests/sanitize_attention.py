@@ -3,9 +3,10 @@
     compute-sanitizer --tool memcheck python tests/sanitize_attention.py
     compute-sanitizer --tool racecheck python tests/sanitize_attention.py
 
-Covers an empty row, a row longer than the kernel's score cache (its recompute path), V = 2 and 8,
-head dims 32 and 64, shuffled and plain patterns. Exits non-zero if a result is far from the
-reference (the GPU tests hold it to the exact bounds).
+Covers an empty row, a row longer than the kernel's score cache (its recompute path), rows split
+over 4 warps (N past a warp's exact int32 accumulation), V = 2 and 8, head dims 32 and 64,
+shuffled and plain patterns. Exits non-zero if a result is far from the reference (the GPU tests
+hold it to the exact bounds).
 """
 
 import sys
@@ -33,15 +34,17 @@ def main() -> int:
     extension.load("attention")
     bad = 0
     g = torch.Generator().manual_seed(0)
-    n = 1100  # the full row: 35 blocks, 9 per warp, one past the cache
-    for v, d, shuffle in ((2, 32, False), (8, 64, True)):
+    # n = 1100: the full row has 35 blocks, most past the score cache. n = 22500 at 16 bits: past
+    # one warp's exact int32 accumulation over a row, so the kernel splits rows over 4 warps.
+    for v, d, shuffle, n, pairs in ((2, 32, False, 1100, PAIRS), (8, 64, True, 1100, PAIRS),
+                                    (8, 64, False, 22_500, [(16, 16)])):
         mask = torch.rand(4, n, generator=g) < 0.2
         mask[0] = False
         mask[2] = True
         vm = VectorMask(mask, v)
         p = SRBCRS.from_mask(vm, stride=32, shuffle=shuffle)
         cuda = p.to("cuda")
-        for p_bits, qk_bits in PAIRS:
+        for p_bits, qk_bits in pairs:
             args = inputs(2, p.m, n, d, p_bits, qk_bits, g)
             dev = [x.cuda() if x is not None else None for x in args]
             got = torch.ops.magicube_cuda.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev, v,

@@ -147,7 +147,7 @@ def test_range_extremes(kernels, p_bits, qk_bits):
 
 
 def test_long_row_uncached(kernels):
-    """One row of 6000 keys (188 blocks: 47 per warp, most past the score cache) next to short ones."""
+    """One row of 6000 keys (188 blocks, most past the score cache) next to short ones."""
     v, n, d = 8, 6000, 64
     mask = torch.zeros(3, n, dtype=torch.bool)
     mask[0, ::7] = True
@@ -162,6 +162,25 @@ def test_long_row_uncached(kernels):
             check_fp16(p, emask, inputs, got, want, d**-0.5, "long row")
         else:
             check_quantized(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, "long row")
+
+
+@pytest.mark.parametrize("p_bits, qk_bits, n", [(16, 16, 22_500), (8, 8, 66_000), (16, 4, 66_000)])
+def test_split_rows(kernels, p_bits, qk_bits, n):
+    """N past the exact int32 accumulation of one warp over a whole row: the kernel splits each row
+    over 4 warps. Rows of 2000 keys (63 blocks, past the score cache), 300 keys and none; BH = 3.
+    The rows are kept short of N: with tens of thousands of 16-bit probabilities in one row, exp
+    rounding alone moves enough of them by one unit to change more than 1 % of the outputs."""
+    v, d = 8, 64
+    gm = torch.Generator().manual_seed(3)
+    mask = torch.zeros(3, n, dtype=torch.bool)
+    mask[0, torch.randperm(n, generator=gm)[:2000]] = True
+    mask[1, torch.randperm(n, generator=gm)[:300]] = True
+    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32, shuffle=True)
+    emask = VectorMask(mask, v).to_dense()
+    g = torch.Generator().manual_seed(7)
+    inputs = make_inputs(3, p.m, n, d, p_bits, qk_bits, g)
+    got, want = run_both(kernels, p, inputs, v, d**-0.5, qk_bits, p_bits)
+    check_quantized(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, f"split rows, N={n}")
 
 
 def test_public_op_dispatches_to_kernel(kernels):

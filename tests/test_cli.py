@@ -37,16 +37,18 @@ def test_demo_trains_finetunes_and_evaluates_every_backend(tmp_path, capsys):
     assert abs(rows["sparse"]["loss"] - rows["sparse-masked"]["loss"]) < 1e-2
     assert (out / "eval_test.md").read_text().startswith("listops test accuracy")
 
-    # evaluate again from the run folder, with a chosen subset of backends
-    assert main(["evaluate", str(out), "--backends", "dense", "8b-8b", "dense-fp16", "--no-progress", "--fused",
-                 "--out", str(tmp_path / "again")]) == 0
-    again = json.loads((tmp_path / "again.json").read_text())
-    assert again["fused"] and [r["backend"] for r in again["results"]] == ["dense", "8b-8b", "dense-fp16"]
-    assert [r["loss"] for r in again["results"][:2]] == [rows["dense"]["loss"], rows["8b-8b"]["loss"]]
+    # evaluate again from the run folder, with a chosen subset of backends ("sparse" alone is the ops
+    # alone) and a report name with a dot in it (the suffixes are appended to it)
+    assert main(["evaluate", str(out), "--backends", "dense", "sparse", "8b-8b", "dense-fp16", "--no-progress",
+                 "--fused", "--out", str(tmp_path / "again_0.9")]) == 0
+    again = json.loads((tmp_path / "again_0.9.json").read_text())
+    assert (tmp_path / "again_0.9.md").is_file()
+    assert again["fused"] and [r["backend"] for r in again["results"]] == ["dense", "sparse", "8b-8b", "dense-fp16"]
+    assert [again["results"][i]["loss"] for i in (0, 2)] == [rows["dense"]["loss"], rows["8b-8b"]["loss"]]
+    assert abs(again["results"][1]["loss"] - rows["sparse"]["loss"]) < 1e-2
     # fp16 is the same model with rounding: close to fp32, yet not bit-identical (it did run in fp16)
-    half = again["results"][2]["loss"]
+    half = again["results"][3]["loss"]
     assert half != rows["dense"]["loss"] and abs(half - rows["dense"]["loss"]) < 1e-2
-
 
 def test_train_resumes_and_data_listops(tmp_path, capsys):
     cfg = [*SMALL, *_paths(tmp_path), f"out_dir={tmp_path / 'run'}"]

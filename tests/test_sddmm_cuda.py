@@ -107,6 +107,42 @@ def test_fp16_within_fp32_accumulation_bound(kernels, v):
         assert ((want.double() - exact).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("v", [2, 4, 8])
+@pytest.mark.parametrize("bits", [16, 8, 4, 0])
+def test_rows_of_every_block_count(kernels, bits, v):
+    """A warp streams all blocks of one vector row, the next block's loads in flight: rows of
+    0 to 9 blocks (odd and even counts, full and partial last blocks), taken in a random
+    row_order; K = 64 is one k step a block (the operand row held), K = 160 several. 53 vector
+    rows: more than two CTAs' worth of warps."""
+    n = 8 * 32 + 5
+    counts = [0, 1, 31, 32, 33, 64, 65, 96, 100, 150, 224, 229, n, 3, 0, 40, 17] * 3 + [5, 70]
+    g = torch.Generator().manual_seed(10 * bits + v)
+    mask = torch.zeros(len(counts), n, dtype=torch.bool)
+    for i, c in enumerate(counts):
+        mask[i, torch.randperm(n, generator=g)[:c]] = True
+    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32, shuffle=v == 8)
+    p = SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, p.col_idx,
+               p.row_order[torch.randperm(len(counts), generator=g)].contiguous(), p.shuffled)
+    bh = 3
+    for k in (64, 160):
+        if bits == 0:
+            a = torch.randn(bh, p.m, k, generator=g).half()
+            b = torch.randn(bh, n, k, generator=g).half()
+            got, want = _run(kernels, p, a, b, None, None, v, 16, torch.float16)
+            exact = p.pack_values(a.double() @ b.double().transpose(1, 2))
+            mag = p.pack_values(a.double().abs() @ b.double().abs().transpose(1, 2))
+            bound = exact.abs() * 2.0 ** -11 + mag * k * 2.0 ** -24 + 2.0 ** -24
+            assert not got.isnan().any() and ((got.double() - exact).abs() <= bound).all(), f"K={k}"
+            continue
+        a = to_container(random_ints((bh, p.m, k), bits, True, g), bits)
+        b = to_container(random_ints((bh, n, k), bits, True, g), bits)
+        got, want = _run(kernels, p, a, b, None, None, v, bits, torch.int64)
+        assert torch.equal(got, want), f"K={k}: {(got != want).sum()} mismatches"
+        sa, sb = _scales(bh, p.m, n, g, bits)
+        got, want = _run(kernels, p, a, b, sa, sb, v, bits, torch.float16)
+        assert not got.isnan().any() and torch.equal(got, want), f"K={k}: dequantized output differs"
+
+
 def test_padding_is_zero_and_row_order_irrelevant(kernels):
     bh, rows, k, n, v = 2, 6, 64, 90, 4
     g = torch.Generator().manual_seed(3)

@@ -107,6 +107,57 @@ def test_int32_overflow_long_row(kernels, a_bits, b_bits, a_signed):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("n", [37, 6, 1])
+@pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
+def test_output_row_alignment(kernels, a_bits, b_bits, a_signed, n):
+    """Odd N and N % 4 == 2: output rows that do not admit the paired (or 4-wide) stores."""
+    if b_bits == 4 and n % 2:
+        pytest.skip("int4 B packs two columns per byte")
+    for v in (2, 8):
+        g = torch.Generator().manual_seed(n + v)
+        p, emask = problem(3, 5, 150, v, 0.6, seed=n)
+        a_values, b = _inputs(p, emask, 3, 150, n, a_bits, a_signed, b_bits, g)
+        got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64)
+        assert torch.equal(got, want), f"v={v}: {(got != want).sum()} mismatches"
+        sa, sb = _scales(3, p.m, n, g, a_bits, b_bits)
+        got, want = _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, torch.float16)
+        assert torch.equal(got, want), f"v={v}: fp16 output differs"
+
+
+@pytest.mark.parametrize("blocks", [511, 512, 513])
+@pytest.mark.parametrize("a_bits, b_bits", [(8, 8), (4, 4), (8, 4)], ids=["L8-R8", "L4-R4", "L8-R4"])
+def test_fold_boundary(kernels, a_bits, b_bits, blocks):
+    """Rows of 511, 512 and 513 blocks: single-plane results are read from the int32 accumulator
+    when no fold happened, from the folded int64 otherwise."""
+    k, n, v = 32 * blocks, 24, 2
+    mask = torch.zeros(3, k, dtype=torch.bool)
+    mask[1] = True
+    mask[2, : 32 * 511 + 5] = True
+    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
+    emask = VectorMask(mask, v).to_dense()
+    g = torch.Generator().manual_seed(blocks)
+    a_values, b = _inputs(p, emask, 1, k, n, a_bits, True, b_bits, g)
+    got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, True, b_bits, torch.int64)
+    assert torch.equal(got, want)
+    sa, sb = _scales(1, p.m, n, g, a_bits, b_bits)
+    got, want = _run(kernels, p, a_values, b, sa, sb, v, a_bits, True, b_bits, torch.float16)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("n", [37, 6])
+def test_fp16_kernel_odd_rows(kernels, n):
+    """fp16 output rows that do not admit paired stores (odd N) and N % 4 == 2."""
+    for v in (2, 8):
+        g = torch.Generator().manual_seed(n + v)
+        p, emask = problem(3, 5, 150, v, 0.6, seed=n)
+        a = (torch.randn(3, p.m, 150, generator=g) * emask).half()
+        b = torch.randn(3, 150, n, generator=g).half()
+        got, want = _run(kernels, p, p.pack_values(a), b, None, None, v, 16, True, 16, torch.float16)
+        exact = a.double() @ b.double()
+        bound = exact.abs() * 2.0**-11 + (a.double().abs() @ b.double().abs()) * 150 * 2.0**-23 + 2.0**-24
+        assert bool(((got.double() - exact).abs() <= bound).all()), f"v={v}"
+
+
 @pytest.mark.parametrize("v", [2, 4, 8])
 def test_fp16_kernel(kernels, v):
     for i, (bh, rows, k, n) in enumerate(SHAPES):

@@ -73,7 +73,7 @@ def finetune_config(ckpt: Path, precision: str | None = None, config: str | Path
                     "quant_granularity": granularity}
     cfg["name"] = f"{source.get('name', 'run')}-{precision}"
     cfg["out_dir"] = str(ft.get("out_dir") or run_dir / f"finetune_{precision}")
-    cfg["eval"] = {**cfg.get("eval", {}), "backends": ["sparse", f"{precision}-fake", precision]}
+    cfg["eval"] = {**cfg.get("eval", {}), "backends": ["sparse-masked", "sparse", f"{precision}-fake", precision]}
     return apply_overrides(cfg, [o for o in overrides if not o.startswith("finetune.")])
 
 
