@@ -89,6 +89,15 @@ def test_extremes(kernels, bits, v, ends):
         assert torch.equal(got, want)
 
 
+def _within_fp32_bound(got, p, a, b) -> bool:
+    """fp16 SDDMM values against the exact product: fp32 sums of K products (each exact in fp32)
+    err by at most K * 2^-24 * sum|a b|, then one fp16 rounding; the reference obeys the same bound."""
+    exact = p.pack_values(a.double() @ b.double().transpose(1, 2))
+    mag = p.pack_values(a.double().abs() @ b.double().abs().transpose(1, 2))
+    bound = exact.abs() * 2.0 ** -11 + mag * a.shape[-1] * 2.0 ** -24 + 2.0 ** -24
+    return not got.isnan().any() and bool(((got.double() - exact).abs() <= bound).all())
+
+
 @pytest.mark.parametrize("v", [2, 4, 8])
 def test_fp16_within_fp32_accumulation_bound(kernels, v):
     for i, (bh, rows, k, n) in enumerate(SHAPES):
@@ -97,14 +106,8 @@ def test_fp16_within_fp32_accumulation_bound(kernels, v):
         a = torch.randn(bh, p.m, k, generator=g).half()
         b = torch.randn(bh, n, k, generator=g).half()
         got, want = _run(kernels, p, a, b, None, None, v, 16, torch.float16)
-        exact = p.pack_values(a.double() @ b.double().transpose(1, 2))
-        mag = p.pack_values(a.double().abs() @ b.double().abs().transpose(1, 2))
-        # fp32 sums of K products (each exact in fp32): |err| <= K * 2^-24 * sum|a b|, then one
-        # fp16 rounding; the reference obeys the same bound.
-        bound = exact.abs() * 2.0 ** -11 + mag * k * 2.0 ** -24 + 2.0 ** -24
-        assert not got.isnan().any()
-        assert ((got.double() - exact).abs() <= bound).all(), f"shape {(bh, rows, k, n)}"
-        assert ((want.double() - exact).abs() <= bound).all()
+        assert _within_fp32_bound(got, p, a, b), f"shape {(bh, rows, k, n)}"
+        assert _within_fp32_bound(want, p, a, b)
 
 
 @pytest.mark.parametrize("v", [2, 4, 8])
@@ -128,11 +131,8 @@ def test_rows_of_every_block_count(kernels, bits, v):
         if bits == 0:
             a = torch.randn(bh, p.m, k, generator=g).half()
             b = torch.randn(bh, n, k, generator=g).half()
-            got, want = _run(kernels, p, a, b, None, None, v, 16, torch.float16)
-            exact = p.pack_values(a.double() @ b.double().transpose(1, 2))
-            mag = p.pack_values(a.double().abs() @ b.double().abs().transpose(1, 2))
-            bound = exact.abs() * 2.0 ** -11 + mag * k * 2.0 ** -24 + 2.0 ** -24
-            assert not got.isnan().any() and ((got.double() - exact).abs() <= bound).all(), f"K={k}"
+            got, _ = _run(kernels, p, a, b, None, None, v, 16, torch.float16)
+            assert _within_fp32_bound(got, p, a, b), f"K={k}"
             continue
         a = to_container(random_ints((bh, p.m, k), bits, True, g), bits)
         b = to_container(random_ints((bh, n, k), bits, True, g), bits)
