@@ -1,6 +1,7 @@
 """Fake quantization: the integer attention backends as a differentiable function of fp32 tensors.
 
-`attention` computes, on masked dense tensors, what the integer ops compute on SR-BCRS:
+`attention` computes, from dense Q, K, V and an element mask, what the integer ops compute on
+SR-BCRS (the elementwise steps on the kept entries only, as the ops):
 
     Q, K, V -> q = clamp(round_half_even(x / s), qmin, qmax)               (signed, bits)
     scores  = fp16(fp32(q_Q @ q_K^T) * (s_Q * s_K))                        (SDDMM)

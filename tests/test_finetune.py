@@ -175,6 +175,20 @@ def test_chunked_compact_attention_equals_the_whole(monkeypatch, p_bits, bits):
     assert_grads_close(chunked_grads, grads)
 
 
+def test_masked_scores_never_reach_the_gradients():
+    """A masked score far above its row's kept ones (or any score of an empty row) overflows exp(x - max):
+    it is never computed, so it cannot turn a zero gradient into NaN (0 * inf)."""
+    T = 16
+    keep = torch.zeros(T, T, dtype=torch.bool)
+    keep[8:, :4] = True  # rows 0..7 empty
+    q, k, v = torch.full((1, 1, T, 16), 5.0), torch.full((1, 1, T, 16), 5.0), torch.randn(1, 1, T, 16)
+    k[..., :4, :] = -5.0  # kept scores -100, masked ones +100
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = fakequant.attention(q, k, v, keep, p_bits=8, bits=8, softmax_scale=0.25, scales=torch.full((3, 1), 0.1))
+    assert out[:, :, :8].abs().max() == 0 and out[:, :, 8:].abs().max() > 0
+    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.sum(), (q, k, v)))
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_model_fake_quantized_and_integer_ops_agree(precision):
     """The training function and the inference function of one finetuned model: logits within the fp16
