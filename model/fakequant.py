@@ -1,6 +1,7 @@
 """Fake quantization: the integer attention backends as a differentiable function of fp32 tensors.
 
-`attention` computes, on masked dense tensors, what the integer ops compute on SR-BCRS:
+`attention` computes, from dense Q, K, V and an element mask, what the integer ops compute on
+SR-BCRS (the elementwise steps on the kept entries only, as the ops):
 
     Q, K, V -> q = clamp(round_half_even(x / s), qmin, qmax)               (signed, bits)
     scores  = fp16(fp32(q_Q @ q_K^T) * (s_Q * s_K))                        (SDDMM)
@@ -31,15 +32,20 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from magicube.ops import absmax_scale, qrange
 
 SCALE_MODES = ("absmax", "fixed", "learned")  # absmax: per (batch x head) of each batch, as inference
 GRANULARITIES = ("head", "tensor")
-# Rows of scores materialized at once (elements of one chunk of [B, H, rows, T]); a longer
-# attention runs in row chunks that are recomputed in the backward pass.
-CHUNK_ELEMENTS = 1 << 25
+# A longer attention runs in chunks of query rows, recomputed in the backward pass. The budget
+# counts a chunk's dense [B, H, rows, T] elements, which bound its kept entries too. A chunk peaks
+# at about 16 bytes a dense element (the fp64 p and its gradient; the fp32 product and its gradient
+# come and go apart from them) plus 20 a kept entry (the compact values and gradients): 2^27 is
+# 2.3 GiB at 10 % kept, 4.5 GiB for a full mask, and at B=32, H=4, T=4096 16 chunks of 256 rows,
+# whose kernels are large enough that launches do not count.
+CHUNK_ELEMENTS = 1 << 27
 
 
 class _RoundSTE(torch.autograd.Function):
@@ -122,39 +128,53 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
         q, k, v = q.float(), k.float(), v.float()
         sq, sk, sv = qkv_scales(q, k, v, bits, scales)
         qi, ki, vi = fake_quantize(q, sq, bits), fake_quantize(k, sk, bits), fake_quantize(v, sv, bits)
-        score_scale = sq * sk  # fp32 product first, as the kernels
+        score_scale = (sq * sk)[..., 0]  # fp32 product first, as the kernels; [B or 1, H, 1] for the kept entries
         B, H, T, _ = q.shape
+        # The kept entries in row-major order: those of rows [r, r + n) are one run, offsets[r]:offsets[r + n].
+        row, col = keep.nonzero(as_tuple=True)
+        offsets = F.pad(keep.sum(dim=1).cumsum(0), (1, 0)).tolist()
         rows = max(1, CHUNK_ELEMENTS // max(1, B * H * k.shape[2]))
+        args = (ki, vi.double(), score_scale, sv, p_bits, softmax_scale)
         if rows >= T:
-            return _rows(qi, ki, vi, keep, score_scale, sv, p_bits, softmax_scale)
+            return _rows(qi, row, col, *args)
         parts = []
         for r in range(0, T, rows):
-            args = (qi[:, :, r:r + rows], ki, vi, keep[r:r + rows], score_scale, sv, p_bits, softmax_scale)
-            parts.append(checkpoint(_rows, *args, use_reentrant=False) if torch.is_grad_enabled() else _rows(*args))
+            lo, hi = offsets[r], offsets[min(r + rows, T)]
+            chunk = (qi[:, :, r:r + rows], row[lo:hi] - r, col[lo:hi], *args)
+            parts.append(checkpoint(_rows, *chunk, use_reentrant=False) if torch.is_grad_enabled() else _rows(*chunk))
         return torch.cat(parts, dim=2)
 
 
-def _rows(qi, ki, vi, keep, score_scale, sv, p_bits: int, softmax_scale: float) -> torch.Tensor:
-    """SDDMM -> softmax -> SpMM for a block of query rows (rows are independent)."""
-    scores = fp16_ste((qi @ ki.transpose(-2, -1)) * score_scale)
-    p, row_scale = quantized_softmax(scores, keep, softmax_scale, p_bits)
-    acc = (p.double() @ vi.double()).float()
-    return fp16_ste(acc * (row_scale * sv))
+def _rows(qi, row, col, ki, vd, score_scale, sv, p_bits: int, softmax_scale: float) -> torch.Tensor:
+    """SDDMM -> softmax -> SpMM for a block of query rows (rows are independent), whose kept entries
+    are (row, col), row-major."""
+    B, H, n, _ = qi.shape
+    T = ki.shape[2]
+    at = row * T + col
+    # The product stays dense (tensor cores); every elementwise step runs on the kept entries only.
+    # index_select, not gather: its backward needs the product's shape, not the product itself.
+    acc = (qi @ ki.transpose(-2, -1)).flatten(2).index_select(-1, at)
+    scores = fp16_ste(acc * score_scale)
+    p, row_scale = quantized_softmax(scores, row, n, softmax_scale, p_bits)
+    dense = p.new_zeros(B, H, n * T, dtype=torch.float64).scatter_(-1, at.expand(B, H, -1), p.double())
+    out = (dense.view(B, H, n, T) @ vd).float()
+    return fp16_ste(out * (row_scale * sv))
 
 
-def quantized_softmax(scores: torch.Tensor, keep: torch.Tensor, softmax_scale: float, p_bits: int):
-    """ops.sparse_softmax on dense rows: (integer-valued p, row_scale [..., 1]); 0 outside `keep`."""
+def quantized_softmax(scores: torch.Tensor, row: torch.Tensor, rows: int, softmax_scale: float, p_bits: int):
+    """ops.sparse_softmax on the kept scores [B, H, E] of `rows` rows, entry i in row row[i]:
+    (integer-valued p [B, H, E], row_scale [B, H, rows, 1]); a row with nothing kept has row_scale 0."""
     x = scores * softmax_scale
-    xk = torch.where(keep, x, float("-inf"))
+    row = row.expand_as(x)
     # The max only shifts the exponent (the output is invariant to it): no gradient through it.
-    m = xk.amax(dim=-1, keepdim=True).detach()
-    m = torch.where(torch.isfinite(m), m, 0.0)  # a row with nothing kept
-    e = torch.where(keep, torch.exp(x - m), 0.0)
-    s = e.sum(dim=-1, keepdim=True)
+    m = x.new_full((*x.shape[:-1], rows), float("-inf")).scatter_reduce_(-1, row, x.detach(), "amax")
+    m = torch.where(torch.isfinite(m), m, 0.0)  # an infinite max would make exp(x - m) NaN
+    e = torch.exp(x - m.gather(-1, row))
+    s = x.new_zeros(m.shape).scatter_add(-1, row, e)  # the one sum in another order than the op's
     pmax = (1 << p_bits) - 1
     p = round_ste(e * pmax)  # e <= 1: never saturates
     row_scale = torch.where(s > 0, 1.0 / (torch.where(s > 0, s, 1.0) * pmax), 0.0)
-    return p, row_scale
+    return p, row_scale.unsqueeze(-1)
 
 
 @torch.no_grad()

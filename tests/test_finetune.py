@@ -76,8 +76,9 @@ def test_fake_quantized_attention_reproduces_the_integer_ops(precision, scales):
     assert torch.equal((qi @ ki.transpose(-1, -2)).masked_fill(~keep, 0).long(), ref_acc)  # exact scores
     out = fakequant.attention(q, k, v, keep, p_bits=p_bits, bits=bits, softmax_scale=16 ** -0.5, scales=given)
     scores = fakequant.fp16_ste((qi @ ki.transpose(-1, -2)) * (sq * sk))
-    p, _ = fakequant.quantized_softmax(scores, keep, 16 ** -0.5, p_bits)
-    assert torch.equal(p.long(), ref_p)  # the same probabilities
+    row, col = keep.nonzero(as_tuple=True)
+    p, _ = fakequant.quantized_softmax(scores[..., row, col], row, 64, 16 ** -0.5, p_bits)
+    assert torch.equal(p.long(), ref_p[..., row, col]) and not ref_p[..., ~keep].any()  # the same probabilities
     # the output: only the row sum's fp32 summation order differs: at most one fp16 ulp
     diff = (out - ref_out).abs()
     assert (diff <= fp16_ulp(ref_out)).all(), f"max diff {diff.max()}"
@@ -96,6 +97,96 @@ def test_long_attention_runs_in_row_chunks_with_the_same_result(monkeypatch):
     assert torch.equal(chunked, whole)
     for a, b in zip(torch.autograd.grad(chunked.square().sum(), (q, k, v)), grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # the same terms, summed per chunk
+
+
+def dense_attention(q, k, v, keep, p_bits, bits, softmax_scale, scales):
+    """The oracle: fakequant.attention's semantics written on the dense [B, H, T, T] scores."""
+    sq, sk, sv = fakequant.qkv_scales(q, k, v, bits, scales)
+    qi, ki, vi = (fakequant.fake_quantize(t, s, bits) for t, s in ((q, sq), (k, sk), (v, sv)))
+    x = fakequant.fp16_ste((qi @ ki.transpose(-1, -2)) * (sq * sk)) * softmax_scale
+    m = x.detach().masked_fill(~keep, float("-inf")).amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    e = torch.exp(x - m).masked_fill(~keep, 0.0)
+    s = e.sum(dim=-1, keepdim=True)
+    pmax = (1 << p_bits) - 1
+    row_scale = torch.where(s > 0, 1.0 / (torch.where(s > 0, s, 1.0) * pmax), 0.0)
+    acc = (fakequant.round_ste(e * pmax).double() @ vi.double()).float()
+    return fakequant.fp16_ste(acc * (row_scale * sv))
+
+
+def awkward_problem(p_bits, bits, T=200, B=2, H=2, d=32):
+    """T = 25 row groups of 8 (no power of two), the first one empty, one full (a CLS row), one with a
+    single entry (its max is that score, negative in some rows), 90 % sparse elsewhere; learned per-head
+    scales that saturate the largest values; a fixed output weighting, so that a loss has the same
+    upstream gradient whatever the output's last bit."""
+    keep = awkward_mask(T, T, 8, 0.9, seed=1).mask.repeat_interleave(8, dim=0)
+    keep[8:16] = False
+    keep[8:16, T - 1] = True
+    g = torch.Generator().manual_seed(p_bits + bits)
+    q, k, v = (torch.randn(B, H, T, d, generator=g) * torch.tensor([1.0, 3.0])[:, None, None] for _ in range(3))
+    absmax = torch.stack([t.abs().amax(dim=(0, 2, 3)) for t in (q, k, v)])
+    scales = fakequant.scales_from_absmax(0.8 * absmax, bits, "head").requires_grad_()
+    inputs = [*(t.requires_grad_() for t in (q, k, v)), scales]
+    return inputs, keep, torch.randn(B, H, T, d, generator=g)
+
+
+def assert_grads_close(got, want):
+    # The same terms, but the row sums S (a few fp32 ulps apart) enter them through row_scale, and
+    # the reductions over the kept entries (the scales' gradients, a chunk's share of K's and V's)
+    # add them in another order: fp32 rounding of sums of up to ~10^4 terms of both signs, observed
+    # within 7e-6 of the largest gradient (the scales'; 1e-6 for q, k, v). A near-zero element is
+    # such a cancelling sum, so the bound is relative to the largest: 3e-5, some 4 times the worst seen.
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=3e-5 * b.abs().max().item())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("p_bits", [8, 16])
+def test_compact_attention_against_the_dense_formulation(p_bits, bits):
+    (q, k, v, scales), keep, w = awkward_problem(p_bits, bits)
+    d = q.shape[-1]
+    out = fakequant.attention(q, k, v, keep, p_bits=p_bits, bits=bits, softmax_scale=d ** -0.5, scales=scales)
+    want = dense_attention(q, k, v, keep, p_bits, bits, d ** -0.5, scales)
+    # Only S is summed in another order: its few fp32 ulps move an output by one fp16 ulp, rarely.
+    diff = (out - want).abs()
+    assert (diff <= fp16_ulp(want)).all(), f"max diff {diff.max()}"
+    assert (diff > 0).sum() <= diff.numel() // 1000, f"{(diff > 0).sum()} outputs differ"
+    assert out[:, :, :8].abs().max() == 0 and want.abs().max() > 0  # the empty rows, and not all empty
+
+    got = torch.autograd.grad((out * w).sum(), (q, k, v, scales))
+    assert all(torch.isfinite(g).all() for g in got)
+    assert_grads_close(got, torch.autograd.grad((want * w).sum(), (q, k, v, scales)))
+
+
+@pytest.mark.parametrize("p_bits, bits", [(8, 4), (16, 8)])
+def test_chunked_compact_attention_equals_the_whole(monkeypatch, p_bits, bits):
+    (q, k, v, scales), keep, w = awkward_problem(p_bits, bits)
+    B, H, T, d = q.shape
+
+    def run():
+        out = fakequant.attention(q, k, v, keep, p_bits=p_bits, bits=bits, softmax_scale=d ** -0.5, scales=scales)
+        return out, torch.autograd.grad((out * w).sum(), (q, k, v, scales))
+
+    whole, grads = run()
+    # 7 rows a chunk: chunks cut through row groups, the first holds nothing kept, the last is short
+    monkeypatch.setattr(fakequant, "CHUNK_ELEMENTS", B * H * T * 7)
+    chunked, chunked_grads = run()
+    assert torch.equal(chunked, whole)  # a row's entries, and so its sum S, never span two chunks
+    assert_grads_close(chunked_grads, grads)
+
+
+def test_masked_scores_never_reach_the_gradients():
+    """A masked score far above its row's kept ones (or any score of an empty row) overflows exp(x - max):
+    it is never computed, so it cannot turn a zero gradient into NaN (0 * inf)."""
+    T = 16
+    keep = torch.zeros(T, T, dtype=torch.bool)
+    keep[8:, :4] = True  # rows 0..7 empty
+    q, k, v = torch.full((1, 1, T, 16), 5.0), torch.full((1, 1, T, 16), 5.0), torch.randn(1, 1, T, 16)
+    k[..., :4, :] = -5.0  # kept scores -100, masked ones +100
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = fakequant.attention(q, k, v, keep, p_bits=8, bits=8, softmax_scale=0.25, scales=torch.full((3, 1), 0.1))
+    assert out[:, :, :8].abs().max() == 0 and out[:, :, 8:].abs().max() > 0
+    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.sum(), (q, k, v)))
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
