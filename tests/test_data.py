@@ -192,3 +192,19 @@ def test_listops_malformed_files_name_the_file(tmp_path, content, match):
 def test_listops_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="magicube data listops"):
         data.build_datasets({"task": "listops", "path": str(tmp_path), "cache_dir": str(tmp_path / "c")}, 32)
+
+
+def test_cache_published_by_another_process_first_is_kept(tmp_path):
+    # Two processes built the same cache; the second to finish must not fail nor clobber the first.
+    cache, tmp = tmp_path / "text-8-abc", tmp_path / "text-8-abc.tmp2"
+    for d, owner in ((cache, "first"), (tmp, "second")):
+        d.mkdir()
+        (d / "done").write_text(owner)
+    data._publish(tmp, cache)
+    assert (cache / "done").read_text() == "first" and not tmp.exists()
+    stale, fresh = tmp_path / "stale", tmp_path / "stale.tmp3"  # no "done": an interrupted older build
+    stale.mkdir(), fresh.mkdir()
+    (stale / "junk").write_text("x")
+    (fresh / "done").write_text("new")
+    data._publish(fresh, stale)
+    assert (stale / "done").read_text() == "new" and not (stale / "junk").exists()

@@ -122,9 +122,21 @@ def build_datasets(cfg: dict, length: int):
         if bars:
             datasets.enable_progress_bars()
     (tmp / "done").write_text(json.dumps({"task": task, "length": length, "limit": limit}))
-    shutil.rmtree(cache, ignore_errors=True)
-    os.replace(tmp, cache)
+    _publish(tmp, cache)
     return {s: datasets.load_from_disk(str(cache / s)) for s in splits}
+
+
+def _publish(tmp: Path, cache: Path) -> None:
+    """Move a finished cache into place. Several processes may build the same cache at once
+    (one per GPU); the first to publish wins and the others drop their identical copies."""
+    if cache.exists() and not (cache / "done").is_file():
+        shutil.rmtree(cache, ignore_errors=True)  # left by an interrupted older layout
+    try:
+        os.replace(tmp, cache)
+    except OSError:
+        if not (cache / "done").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_tensors(cfg: dict, length: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
