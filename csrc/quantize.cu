@@ -2,16 +2,18 @@
 //
 // q = clamp(round_half_even(x / scale), qmin, qmax) with an IEEE fp32 division, exactly as the
 // reference (and torch's own x / scale, round, clamp) computes it; but where PyTorch needs a
-// pass per step over fp32 intermediates, this reads x once and writes the container once:
-// for Q, K and V of an attention layer that was most of the quantized layer's time.
+// pass per step over fp32 intermediates, this reads x once, where it lies (Q, K and V as strided
+// views of one projection output), and writes the container once.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cuda_fp16.h>
 #include <type_traits>
+#include <vector>
 
 #include "check.cuh"
 
@@ -38,40 +40,78 @@ __device__ __forceinline__ void load8(const T* p, float (&v)[kGroup]) {
   }
 }
 
-// x: [rows, cols] with cols % 8 == 0, scale: [rows]. Output container of BITS (int4 packed,
-// element 2t in the low nibble).
+// The groups of 8 elements in row-major order of x's shape, as digits of a mixed radix: x's
+// leading dims (outermost first, padded in front with size 1), then the group within the row.
+// Digits are 32-bit (the host checks every radix is below 2^31), offsets 64-bit.
+constexpr int kDigits = 5;
+constexpr int kLead = kDigits - 1;
+
+struct Walk {
+  uint32_t radix[kDigits];    // radix[0] bounds the walk, it takes no carry
+  uint32_t step[kDigits];     // the grid's stride, gridDim.x * blockDim.x groups, as digits
+  int64_t x_stride[kLead];    // elements of x per unit of each leading digit
+  int64_t s_stride[kLead];    // elements of scale per unit of each leading digit
+};
+
+// x: any strides with a contiguous last dim, cols % 8 == 0 and rows on 16 bytes; scale: one value
+// per row, any strides. Output: the contiguous container of BITS (int4 packed, element 2t in the
+// low nibble). A thread divides once for its first group, then steps by the grid's stride with
+// digit carries: no division per group.
 template <typename T, int BITS, bool SIGNED>
 __global__ void quantize_kernel(const T* __restrict__ x, const float* __restrict__ scale,
-                                uint8_t* __restrict__ out, int64_t cols, int64_t groups) {
+                                uint8_t* __restrict__ out, const Walk w) {
   constexpr float kMin = SIGNED ? -static_cast<float>(1 << (BITS - 1)) : 0.f;
   constexpr float kMax = SIGNED ? static_cast<float>((1 << (BITS - 1)) - 1) : static_cast<float>((1 << BITS) - 1);
-  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
-       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t e0 = g * kGroup;
-    const float s = scale[e0 / cols];
+  int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  uint32_t d[kDigits];
+  uint64_t rest = g;
+#pragma unroll
+  for (int i = kDigits - 1; i > 0; --i) {
+    d[i] = static_cast<uint32_t>(rest % w.radix[i]);
+    rest /= w.radix[i];
+  }
+  d[0] = static_cast<uint32_t>(rest);  // below radix[0] + the grid's stride: fits
+  const int64_t grid = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (; d[0] < w.radix[0]; g += grid) {
+    int64_t xo = static_cast<int64_t>(d[kLead]) * kGroup, so = 0;
+#pragma unroll
+    for (int i = 0; i < kLead; ++i) {
+      xo += d[i] * w.x_stride[i];
+      so += d[i] * w.s_stride[i];
+    }
+    const float s = scale[so];
     float v[kGroup];
-    load8(x + e0, v);
+    load8(x + xo, v);
     int q[kGroup];
 #pragma unroll
     for (int i = 0; i < kGroup; ++i) {
       q[i] = static_cast<int>(fminf(fmaxf(rintf(__fdiv_rn(v[i], s)), kMin), kMax));
     }
     if constexpr (BITS == 4) {
-      uint32_t w = 0;
+      uint32_t w4 = 0;
 #pragma unroll
-      for (int i = 0; i < kGroup; ++i) w |= static_cast<uint32_t>(q[i] & 0xF) << (4 * i);
-      reinterpret_cast<uint32_t*>(out)[g] = w;
+      for (int i = 0; i < kGroup; ++i) w4 |= static_cast<uint32_t>(q[i] & 0xF) << (4 * i);
+      reinterpret_cast<uint32_t*>(out)[g] = w4;
     } else if constexpr (BITS == 8) {
-      uint32_t w[2] = {0, 0};
+      uint32_t w8[2] = {0, 0};
 #pragma unroll
-      for (int i = 0; i < kGroup; ++i) w[i / 4] |= static_cast<uint32_t>(q[i] & 0xFF) << (8 * (i % 4));
-      reinterpret_cast<uint2*>(out)[g] = make_uint2(w[0], w[1]);
+      for (int i = 0; i < kGroup; ++i) w8[i / 4] |= static_cast<uint32_t>(q[i] & 0xFF) << (8 * (i % 4));
+      reinterpret_cast<uint2*>(out)[g] = make_uint2(w8[0], w8[1]);
     } else {  // 12 and 16 bits: int16 containers (u16 as its bit pattern)
-      uint32_t w[4] = {0, 0, 0, 0};
+      uint32_t w16[4] = {0, 0, 0, 0};
 #pragma unroll
-      for (int i = 0; i < kGroup; ++i) w[i / 2] |= static_cast<uint32_t>(q[i] & 0xFFFF) << (16 * (i % 2));
-      reinterpret_cast<uint4*>(out)[g] = make_uint4(w[0], w[1], w[2], w[3]);
+      for (int i = 0; i < kGroup; ++i) w16[i / 2] |= static_cast<uint32_t>(q[i] & 0xFFFF) << (16 * (i % 2));
+      reinterpret_cast<uint4*>(out)[g] = make_uint4(w16[0], w16[1], w16[2], w16[3]);
     }
+    // d + step, innermost first: both digits are below the radix, so one carry at most
+    uint32_t carry = 0;
+#pragma unroll
+    for (int i = kDigits - 1; i > 0; --i) {
+      d[i] += w.step[i] + carry;
+      carry = d[i] >= w.radix[i];
+      if (carry) d[i] -= w.radix[i];
+    }
+    d[0] += w.step[0] + carry;
   }
 }
 
@@ -79,12 +119,33 @@ template <typename T, int BITS, bool SIGNED>
 void launch(const at::Tensor& x, const at::Tensor& scale, at::Tensor& out) {
   const int64_t groups = x.numel() / kGroup;
   if (groups == 0) return;
-  const int threads = 256;
+  Walk w{};
+  const int lead = static_cast<int>(x.dim()) - 1;
+  for (int i = 0; i < kLead; ++i) {
+    const int dim = i - (kLead - lead);  // x's dim of digit i, negative for the padding
+    w.radix[i] = dim >= 0 ? static_cast<uint32_t>(x.size(dim)) : 1;
+    w.x_stride[i] = dim >= 0 ? x.stride(dim) : 0;
+    w.s_stride[i] = dim >= 0 ? scale.stride(dim) : 0;
+  }
+  w.radix[kLead] = static_cast<uint32_t>(x.size(lead) / kGroup);
+
+  // Resident blocks only: each thread walks several groups, so its one division pays off.
+  constexpr int threads = 256;
+  static const int per_sm = [] {
+    int n = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, quantize_kernel<T, BITS, SIGNED>, threads, 0));
+    return std::max(n, 1);
+  }();
   const int64_t blocks = std::min<int64_t>((groups + threads - 1) / threads,
-                                           static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 32);
+                                           static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * per_sm);
+  int64_t rest = blocks * threads;
+  for (int i = kDigits - 1; i > 0; --i) {
+    w.step[i] = static_cast<uint32_t>(rest % w.radix[i]);
+    rest /= w.radix[i];
+  }
+  w.step[0] = static_cast<uint32_t>(rest);
   quantize_kernel<T, BITS, SIGNED><<<static_cast<unsigned>(blocks), threads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const T*>(x.data_ptr()), scale.data_ptr<float>(), reinterpret_cast<uint8_t*>(out.data_ptr()),
-      x.size(1), groups);
+      reinterpret_cast<const T*>(x.data_ptr()), scale.data_ptr<float>(), reinterpret_cast<uint8_t*>(out.data_ptr()), w);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -108,19 +169,27 @@ void dispatch_bits(const at::Tensor& x, const at::Tensor& scale, int64_t bits, b
 at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& scale, int64_t bits, bool is_signed) {
   MAGICUBE_CHECK(x.is_cuda() && scale.is_cuda() && scale.device() == x.device(),
                  "quantize: x and scale must be on one CUDA device");
-  MAGICUBE_CHECK(x.dim() == 2 && x.is_contiguous(), "quantize: x must be a contiguous [rows, cols] tensor");
+  MAGICUBE_CHECK(x.dim() >= 1 && x.dim() <= kDigits, "quantize: x must have 1 to ", kDigits, " dims, got ", x.dim());
   MAGICUBE_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat, "quantize: x must be float16 or float32, got ",
                  x.scalar_type());
-  MAGICUBE_CHECK(x.size(1) % kGroup == 0, "quantize: cols must be a multiple of 8, got ", x.size(1));
-  MAGICUBE_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "quantize: x must be 16-byte aligned");
-  MAGICUBE_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.size(0) == x.size(0) &&
-                     scale.is_contiguous(),
-                 "quantize: scale must be a contiguous float32 [rows] tensor");
+  const int64_t lead = x.dim() - 1;
+  MAGICUBE_CHECK(x.stride(lead) == 1, "quantize: x's last dim must be contiguous (stride 1), got stride ", x.stride(lead));
+  MAGICUBE_CHECK(x.size(lead) % kGroup == 0, "quantize: cols must be a multiple of 8, got ", x.size(lead));
+  bool small = x.size(lead) / kGroup <= INT32_MAX;
+  for (int64_t i = 0; i < lead; ++i) small = small && x.size(i) <= INT32_MAX;
+  MAGICUBE_CHECK(small, "quantize: x's leading dims and cols / 8 must be below 2^31");
+  bool aligned = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  for (int64_t i = 0; i < lead; ++i) aligned = aligned && (x.size(i) == 1 || x.stride(i) * x.element_size() % 16 == 0);
+  MAGICUBE_CHECK(aligned, "quantize: every row of x must start on 16 bytes (pointer and leading strides)");
+  MAGICUBE_CHECK(scale.scalar_type() == at::kFloat && scale.sizes() == x.sizes().slice(0, lead),
+                 "quantize: scale must be float32 with one value per row of x (x's shape less its last dim)");
   const bool ok = is_signed ? (bits == 4 || bits == 8 || bits == 12 || bits == 16) : (bits == 4 || bits == 8 || bits == 16);
   MAGICUBE_CHECK(ok, "quantize: unsupported bits ", bits, " for ", is_signed ? "signed" : "unsigned", " data");
   const c10::cuda::CUDAGuard guard(x.device());
   const auto dtype = bits == 4 ? at::kByte : bits == 8 ? (is_signed ? at::kChar : at::kByte) : at::kShort;
-  at::Tensor out = at::empty({x.size(0), bits == 4 ? x.size(1) / 2 : x.size(1)}, x.options().dtype(dtype));
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  if (bits == 4) shape.back() /= 2;
+  at::Tensor out = at::empty(shape, x.options().dtype(dtype));
   if (x.scalar_type() == at::kHalf) {
     dispatch_bits<__half>(x, scale, bits, is_signed, out);
   } else {

@@ -131,7 +131,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, E = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.h, E // self.h).permute(2, 0, 3, 1, 4)  # 3 x [B, H, T, d]
+        qkv = self.qkv(x).view(B, T, 3, self.h, E // self.h).permute(2, 0, 3, 1, 4)  # [3, B, H, T, d], a view
+        q, k, v = qkv
         backend, impl = self.config.attention, self.config.sparse_impl
         p_drop = self.config.attention_dropout if self.training else 0.0
         needs_grad = torch.is_grad_enabled() and x.requires_grad
@@ -149,7 +150,7 @@ class Attention(nn.Module):
             raise RuntimeError(f"attention {backend!r} (sparse_impl {impl!r}) runs through the magicube ops, "
                                "which have no backward; train with 'dense' or 'sparse' and evaluate with it")
         else:
-            y = self.sparse_ops(q, k, v).to(x.dtype)
+            y = self.sparse_ops(qkv).to(x.dtype)
         return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, E)))
 
     def masked(self, q, k, v, p_drop: float) -> torch.Tensor:
@@ -175,11 +176,12 @@ class Attention(nn.Module):
         return fakequant.attention(q, k, v, keep, p_bits=p_bits, bits=bits, softmax_scale=q.shape[-1] ** -0.5,
                                    scales=self.scales())
 
-    def sparse_ops(self, q, k, v) -> torch.Tensor:
-        B, H, T, d = q.shape
-        pat = self.pattern(q.device)
-        q, k, v = (t.reshape(B * H, T, d) for t in (q, k, v))
+    def sparse_ops(self, qkv) -> torch.Tensor:
+        """Attention through the ops; qkv: Q, K, V as [3, B, H, T, d] (any strides)."""
+        _, B, H, T, d = qkv.shape
+        pat = self.pattern(qkv.device)
         if self.config.attention == "sparse":
+            q, k, v = (t.reshape(B * H, T, d) for t in qkv)
             if self.config.fused:
                 y = ops.sparse_attention(pat, q.half(), k.half(), v.half(), softmax_scale=d ** -0.5)
                 return y.view(B, H, T, d)
@@ -188,13 +190,7 @@ class Attention(nn.Module):
             y = ops.spmm(pat, p, v.half(), a_bits=16, b_bits=16)
         else:
             p_bits, bits = QUANTIZED[self.config.attention]
-            scales = self.scales()
-            if scales is not None:
-                scales = fakequant.positive(scales.detach()).repeat(1, H // scales.shape[1]).repeat(1, B)  # [3, BH]
-                (qq, sq), (kq, sk), (vq, sv) = ((ops.quantize_to_container(t, s.view(-1, 1, 1), bits), s)
-                                                for t, s in zip((q, k, v), scales))
-            else:
-                (qq, sq), (kq, sk), (vq, sv) = (self.quantize(t, bits) for t in (q, k, v))
+            (qq, kq, vq), (sq, sk, sv) = self.quantize(qkv, bits)
             if self.config.fused:
                 return ops.sparse_attention(pat, qq, kq, vq, softmax_scale=d ** -0.5, qk_bits=bits, p_bits=p_bits,
                                             scale_q=sq, scale_k=sk, scale_v=sv).view(B, H, T, d)
@@ -203,11 +199,19 @@ class Attention(nn.Module):
             y = ops.spmm(pat, p, vq, a_bits=p_bits, a_signed=False, b_bits=bits, scale_a=row_scale, scale_b=sv)
         return y.view(B, H, T, d)
 
-    @staticmethod
-    def quantize(t: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Symmetric absmax quantization per (batch x head): (container, fp32 scale [BH])."""
-        scale = ops.absmax_scale(t, bits, dim=(1, 2))
-        return ops.quantize_to_container(t, scale, bits), scale.view(-1)
+    def quantize(self, qkv: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Symmetric quantization of Q, K, V [3, B, H, T, d] per (batch x head), with the calibrated
+        scales or else the absmax: (containers [3, BH, T, d'], fp32 scales [3, BH]).
+
+        Each of the two steps reads the strided projection output in place, one pass over it.
+        """
+        _, B, H, T, _ = qkv.shape
+        scales = self.scales()
+        if scales is None:
+            scale = ops.absmax_scale(qkv, bits, dim=(3, 4))  # [3, B, H, 1, 1]
+        else:
+            scale = fakequant.positive(scales.detach()).view(3, 1, -1, 1, 1).expand(3, B, H, 1, 1)
+        return ops.quantize_to_container(qkv, scale, bits).view(3, B * H, T, -1), scale.reshape(3, B * H)
 
 
 class Block(nn.Module):

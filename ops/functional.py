@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from . import library  # noqa: F401  (registers the ops)
+from . import library  # registers the ops
 from . import quant
 from .format import SRBCRS
 
@@ -115,19 +113,17 @@ def sparse_attention(pattern: SRBCRS, query: torch.Tensor, key: torch.Tensor, va
 def quantize_to_container(x: torch.Tensor, scale, bits: int, signed: bool = True) -> torch.Tensor:
     """quant.quantize_to_container (the definition) through the one-pass op where it applies.
 
-    The op takes x as [rows, cols] with one scale per row: a scale that broadcasts over x's
-    trailing dimensions (per tensor, per (batch x head), per row) maps onto it; other shapes,
-    and column counts that are not a multiple of 8, take the PyTorch path.
+    The op reads x where it lies (a strided view such as Q, K and V of one projection, up to 4
+    leading dims, the last dim contiguous) with one scale per row: a scale constant along x's
+    last dim (per tensor, per (batch x head), per row) maps onto it as an expanded view. A scale
+    that varies along the last dim or broadcasts x to a larger shape, and an x the op does not
+    take, go through the PyTorch path. Either way the container is contiguous.
     """
     s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    lead = x.dim() - s.dim()
-    varying = [n for n in range(x.dim()) if n < lead or s.shape[n - lead] != 1]  # dims the scale varies over
-    split = varying[-1] + 1 if varying else 0
-    cols = math.prod(x.shape[split:])
-    if (lead < 0 or x.dtype not in (torch.float16, torch.float32) or cols % 8 or not x.is_contiguous()
-            or x.numel() == 0 or x.data_ptr() % 16):
-        return quant.quantize_to_container(x, s, bits, signed)
-    rows = x.numel() // cols
-    row_scale = s.expand(*x.shape[:split], *([1] * (x.dim() - split))).reshape(rows).contiguous()
-    out = _ops.quantize(x.reshape(rows, cols), row_scale, bits, signed)
-    return out.reshape(*x.shape[:-1], x.shape[-1] // 2 if bits == 4 else x.shape[-1])
+    per_row = s.dim() <= x.dim() and (s.dim() == 0 or s.shape[-1] == 1) and \
+        torch.broadcast_shapes(s.shape, x.shape) == x.shape
+    takes = (x.dtype in (torch.float16, torch.float32) and 1 <= x.dim() <= library.QUANTIZE_MAX_DIM
+             and x.shape[-1] % 8 == 0 and x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and library.rows_aligned(x))
+    if not (per_row and takes):
+        return quant.quantize_to_container(x, s, bits, signed).contiguous()
+    return _ops.quantize(x, (s[..., 0] if s.dim() else s).expand(x.shape[:-1]), bits, signed)

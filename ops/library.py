@@ -30,7 +30,9 @@ SCHEMAS = {
                       "int v, float scale, int out_bits) -> (Tensor, Tensor)",
     # sddmm -> sparse_softmax -> spmm in one op, with the same intermediate roundings (fp16
     # scores, quantized probabilities), so that a fused kernel computes the same function.
-    # x [rows, cols] (cols a multiple of 8) / scale [rows] -> the container of `bits`
+    # x [..., cols] (up to 4 leading dims, any strides but a contiguous last dim, cols a
+    # multiple of 8, 16-byte aligned rows) / scale [...] (one per row, any strides) -> the
+    # contiguous container of `bits`, shaped like x
     "quantize": "quantize(Tensor x, Tensor scale, int bits, bool is_signed) -> Tensor",
     "sparse_attention": "sparse_attention(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor query, "
                         "Tensor key, Tensor value, Tensor? scale_q, Tensor? scale_k, Tensor? scale_v, int v, "
@@ -46,7 +48,7 @@ for _name, _schema in SCHEMAS.items():
 def _describe(t: torch.Tensor) -> str:
     return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
 
-def _check_tensor(name, t, dtype=None, dim=None, shape=None, device=None):
+def _check_tensor(name, t, dtype=None, dim=None, shape=None, device=None, contiguous=True):
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
     if dtype is not None and t.dtype != dtype:
@@ -57,7 +59,7 @@ def _check_tensor(name, t, dtype=None, dim=None, shape=None, device=None):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {_describe(t)}")
     if device is not None and t.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} like the other inputs, got {_describe(t)}")
-    if not t.is_contiguous():
+    if contiguous and not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor, got a strided view of shape {tuple(t.shape)}; "
                          "call .contiguous() first")
 
@@ -172,16 +174,35 @@ def check_sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale
     return bh, query.shape[1], dv
 
 
+QUANTIZE_MAX_DIM = 5  # the kernel walks the rows over at most 4 leading dims
+
+
+def rows_aligned(x) -> bool:
+    """Whether the leading dims step x's rows by multiples of 16 bytes (the kernel reads 8
+    elements per load), so that rows start on 16 bytes wherever the first one does."""
+    return not any(st * x.element_size() % 16 for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1)
+
+
 def check_quantize(x, scale, bits, is_signed):
+    """Returns the output shape: x's, with the last dim halved for int4."""
     device = x.device if isinstance(x, torch.Tensor) else None
-    _check_tensor("x", x, dim=2, device=device)
+    _check_tensor("x", x, device=device, contiguous=False)
     if x.dtype not in (torch.float16, torch.float32):
         raise ValueError(f"x: expected float16 or float32 data, got {_describe(x)}")
-    if x.shape[1] % 8:
-        raise ValueError(f"x: expected a multiple of 8 columns, got {_describe(x)}")
-    _check_tensor("scale", scale, torch.float32, shape=(x.shape[0],), device=device)
+    if not 1 <= x.dim() <= QUANTIZE_MAX_DIM:
+        raise ValueError(f"x: expected 1 to {QUANTIZE_MAX_DIM} dims (rows over at most {QUANTIZE_MAX_DIM - 1} "
+                         f"leading dims), got {_describe(x)}; merge leading dims first")
+    if x.shape[-1] % 8:
+        raise ValueError(f"x: expected a multiple of 8 columns (last dim), got {_describe(x)}")
+    if x.stride(-1) != 1:
+        raise ValueError(f"x: expected a contiguous last dim (stride 1), got strides {x.stride()} for "
+                         f"{_describe(x)}")
+    if x.storage_offset() * x.element_size() % 16 or not rows_aligned(x):
+        raise ValueError(f"x: rows must start on 16-byte boundaries; storage offset {x.storage_offset()} and "
+                         f"strides {x.stride()} (elements of {x.element_size()} bytes) do not, for {_describe(x)}")
+    _check_tensor("scale", scale, torch.float32, shape=x.shape[:-1], device=device, contiguous=False)
     check_bits(bits, is_signed)
-    return x.shape[0], x.shape[1] // 2 if bits == 4 else x.shape[1]
+    return (*x.shape[:-1], x.shape[-1] // 2 if bits == 4 else x.shape[-1])
 
 
 CHECKS = {"quantize": check_quantize, "spmm": check_spmm, "sddmm": check_sddmm, "sparse_softmax": check_sparse_softmax,
@@ -244,5 +265,4 @@ def _sparse_attention_fake(row_ptr, col_idx, row_order, query, key, value, scale
 
 @torch.library.register_fake(f"{NAMESPACE}::quantize")
 def _quantize_fake(x, scale, bits, is_signed):
-    rows, cols = check_quantize(x, scale, bits, is_signed)
-    return x.new_empty((rows, cols), dtype=container_dtype(bits, is_signed))
+    return x.new_empty(check_quantize(x, scale, bits, is_signed), dtype=container_dtype(bits, is_signed))

@@ -52,8 +52,9 @@ def absmax_scale(x: torch.Tensor, bits: int, signed: bool = True, dim=None) -> t
     saturates. An all-zero slice gets scale 1 so that dividing by it is harmless.
     """
     _, qmax = qrange(bits, signed)
-    a = x.detach().abs()  # abs and max are exact in any float dtype: reduce before widening
-    amax = (a.amax() if dim is None else a.amax(dim=dim, keepdim=True)).float()
+    # The inf-norm is max |x| in one pass (no |x| in memory), exact in any float dtype, and like
+    # amax it propagates NaN; a strided view (Q, K and V of one projection) reduces in place.
+    amax = torch.linalg.vector_norm(x.detach(), float("inf"), dim=dim, keepdim=dim is not None).float()
     return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
 
 

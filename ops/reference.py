@@ -118,4 +118,5 @@ def sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale_q, sc
 
 
 def quantize(x, scale, bits, is_signed):
-    return quantize_to_container(x, scale[:, None], bits, is_signed)
+    # elementwise ops keep a strided x's layout; the op's output is contiguous
+    return quantize_to_container(x, scale[..., None], bits, is_signed).contiguous()

@@ -164,3 +164,32 @@ def test_device_mismatch_is_named():
     with pytest.raises(ValueError, match=r"b: expected a tensor on cuda"):
         torch.ops.magicube.spmm(*_replace(tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args), 4,
                                           args[4]))
+
+
+@pytest.mark.parametrize("bits, is_signed", [(4, True), (8, True), (16, False)])
+def test_opcheck_quantize_of_a_strided_view(bits, is_signed):
+    qkv = (torch.randn(2, 5, 3, 2, 16) * 100).permute(2, 0, 3, 1, 4)  # [3, B, H, T, d] of one projection
+    qkv = qkv.abs() if not is_signed else qkv
+    scale = (torch.rand(3, 2, 2, 1) + 0.5).expand(3, 2, 2, 5)
+    torch.library.opcheck(torch.ops.magicube.quantize.default, (qkv, scale, bits, is_signed))
+
+
+def test_quantize_rejects_bad_inputs_with_messages():
+    op = torch.ops.magicube.quantize
+    x, s = torch.randn(4, 16), torch.ones(4)
+    cases = [
+        (torch.randn(16, 4).t(), s, r"x: expected a contiguous last dim \(stride 1\), got strides \(1, 4\)"),
+        (torch.randn(4, 17)[:, 1:9], s, r"x: rows must start on 16-byte boundaries; storage offset 1"),
+        (torch.randn(4, 12).half()[:, :8], s, r"x: rows must start on 16-byte boundaries; .* strides \(12, 1\)"),
+        (torch.randn(4, 12), s, r"x: expected a multiple of 8 columns"),
+        (torch.randn(1, 1, 1, 1, 1, 8), torch.ones(1, 1, 1, 1, 1), r"x: expected 1 to 5 dims"),
+        (x.double(), s, r"x: expected float16 or float32 data"),
+        (x, torch.ones(2, 4), r"scale: expected shape \(4,\)"),
+        (x[None].expand(3, 4, 16), s, r"scale: expected shape \(3, 4\)"),
+        (x, s.half(), r"scale: expected dtype torch.float32"),
+    ]
+    for xi, si, message in cases:
+        with pytest.raises(ValueError, match=message):
+            op(xi, si, 8, True)
+    with pytest.raises(ValueError, match=r"bits: expected one of \(4, 8, 16\) for unsigned data, got 12"):
+        op(x, s, 12, False)

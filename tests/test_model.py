@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from magicube.model.lra import LRAClassifier, LRAConfig
+from magicube import ops
+from magicube.model import fakequant
+from magicube.model.lra import QUANTIZED, LRAClassifier, LRAConfig
 from magicube.model.masks import layer_mask, structured_vector_mask
 
 
@@ -25,6 +27,11 @@ def qkv(B=2, H=2, T=64, d=16, seed=0):
     return [torch.randn(B, H, T, d, generator=g) for _ in range(3)]
 
 
+def projection(q, k, v):
+    """Q, K, V as the layer hands them to the ops: a [3, B, H, T, d] view of one [B, T, 3, H, d] tensor."""
+    return torch.stack((q, k, v)).permute(1, 3, 0, 2, 4).contiguous().permute(2, 0, 3, 1, 4)
+
+
 @pytest.mark.parametrize("v", [2, 4, 8])
 @pytest.mark.parametrize("kind", ["random", "structured"])
 def test_masked_and_ops_paths_compute_the_same_function(v, kind):
@@ -35,7 +42,7 @@ def test_masked_and_ops_paths_compute_the_same_function(v, kind):
     q, k, val = qkv()
     ref = attention_reference(attn, q, k, val)
     masked = attn.masked(q, k, val, 0.0)
-    ops_out = attn.sparse_ops(q, k, val).float()
+    ops_out = attn.sparse_ops(projection(q, k, val)).float()
     torch.testing.assert_close(masked.double(), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ops_out.double(), ref, atol=5e-3, rtol=5e-3)  # fp16 inputs and output
     rows = slice(v, 2 * v)
@@ -64,12 +71,12 @@ def test_quantized_backends_close_to_fp(backend, tol):
     q, k, v = qkv(seed=1)
     ref = attention_reference(attn, q, k, v).float()
     model.set_attention(backend)
-    out = attn.sparse_ops(q, k, v).float()
+    out = attn.sparse_ops(projection(q, k, v)).float()
     rel = (out - ref).norm() / ref.norm()
     assert rel < tol, f"{backend}: relative error {rel:.4f}"
     if backend == "8b-4b":
         model.set_attention("8b-8b")
-        assert rel > (attn.sparse_ops(q, k, v).float() - ref).norm() / ref.norm()  # fewer bits, more error
+        assert rel > (attn.sparse_ops(projection(q, k, v)).float() - ref).norm() / ref.norm()  # fewer bits, more error
 
 
 @pytest.mark.parametrize("backend", ["sparse", "16b-8b", "8b-8b", "8b-4b"])
@@ -77,9 +84,61 @@ def test_fused_op_matches_the_three_ops(backend):
     model = LRAClassifier(small_config(attention=backend))
     attn = model.blocks[0].attn
     q, k, v = qkv(seed=2)
-    unfused = attn.sparse_ops(q, k, v)
+    unfused = attn.sparse_ops(projection(q, k, v))
     model.config.fused = True
-    assert torch.equal(attn.sparse_ops(q, k, v), unfused)
+    assert torch.equal(attn.sparse_ops(projection(q, k, v)), unfused)
+
+
+def per_head_copies(attn, q, k, v):
+    """The quantized backend as it ran on contiguous [BH, T, d] copies of Q, K and V, each with
+    its own absmax (abs, then amax) or the calibrated scales repeated over batch x heads."""
+    B, H, T, d = q.shape
+    p_bits, bits = QUANTIZED[attn.config.attention]
+    flat = [t.reshape(B * H, T, d).contiguous() for t in (q, k, v)]
+    scales = attn.scales()
+    if scales is None:
+        qmax = (1 << (bits - 1)) - 1
+        amax = [t.abs().amax(dim=(1, 2)).float() for t in flat]
+        s = [torch.where(a > 0, a / qmax, torch.ones_like(a)) for a in amax]
+    else:
+        s = fakequant.positive(scales.detach()).repeat(1, H // scales.shape[1]).repeat(1, B)
+    qq, kq, vq = (ops.quant.quantize_to_container(t, si.view(-1, 1, 1), bits) for t, si in zip(flat, s))
+    pat = attn.pattern(q.device)
+    scores = ops.sddmm(pat, qq, kq, bits=bits, scale_a=s[0], scale_b=s[1])
+    p, row_scale = ops.sparse_softmax(pat, scores, scale=d ** -0.5, out_bits=p_bits)
+    y = ops.spmm(pat, p, vq, a_bits=p_bits, a_signed=False, b_bits=bits, scale_a=row_scale, scale_b=s[2])
+    return y.view(B, H, T, d)
+
+
+@pytest.mark.parametrize("emb_dim", [32, 24])  # head dim 16: the one-pass op; 12: the PyTorch path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("scales", ["absmax", "head", "tensor"])
+@pytest.mark.parametrize("backend", list(QUANTIZED))
+def test_quantized_backends_quantize_the_projection_in_place(backend, scales, dtype, emb_dim):
+    """Q, K, V quantized straight from the projection's view give the very outputs of the
+    per-(batch x head) copies, absmax (an all-zero head included) or calibrated scales."""
+    calibrated = {} if scales == "absmax" else dict(quant_precision=backend, quant_scales="fixed",
+                                                    quant_granularity=scales)
+    model = LRAClassifier(small_config(attention=backend, emb_dim=emb_dim, **calibrated))
+    attn = model.blocks[0].attn
+    if calibrated:
+        attn.qkv_scale.copy_(torch.rand(attn.qkv_scale.shape, generator=torch.Generator().manual_seed(4)) / 20 + 0.01)
+    q, k, v = (t.to(dtype) for t in qkv(d=emb_dim // 2, seed=3))
+    q[1, 0] = 0
+    want = per_head_copies(attn, q, k, v)
+    for fused in (False, True):
+        model.config.fused = fused
+        assert torch.equal(attn.sparse_ops(projection(q, k, v)), want)
+
+
+def test_the_layer_quantizes_through_the_one_pass_op(monkeypatch):
+    """The projection's strided view goes to the quantize op as it is, not through PyTorch."""
+    attn = LRAClassifier(small_config(attention="8b-8b")).eval().blocks[0].attn
+    x = torch.randn(2, 64, 32)
+    with torch.no_grad():
+        want = attn(x)
+        monkeypatch.setattr(ops.quant, "quantize_to_container", None)  # the PyTorch path would call it
+        assert torch.equal(attn(x), want)
 
 
 def test_training_path_and_gradients():

@@ -119,3 +119,61 @@ def test_the_quantize_op_is_the_definition(shape, scale_shape, bits, signed):
     got = ops.quantize_to_container(x, s, bits, signed)
     assert got.dtype == container_dtype(bits, signed)
     assert torch.equal(got, quant.quantize_to_container(x, s, bits, signed))
+
+
+def projection_view(shape, dtype, generator):
+    """[3, B, H, T, d] Q, K, V as an attention layer sees them: a view of one [B, T, 3, H, d] tensor."""
+    B, H, T, d = shape
+    return (torch.randn(B, T, 3, H, d, generator=generator) * 10).to(dtype).permute(2, 0, 3, 1, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_absmax_scale_of_a_view_is_the_amax_of_abs(dtype):
+    """One inf-norm reduction over Q, K and V in place gives the scales of abs, then amax, per
+    (batch x head) copy: bit for bit, an all-zero head (scale 1) and a NaN included."""
+    g = torch.Generator().manual_seed(5)
+    x = projection_view((2, 3, 40, 16), dtype, g)
+    x[1, 0, 2] = 0
+    x[2, 1, 0, 7, 3] = float("nan")
+    for bits in (8, 4):
+        got = absmax_scale(x, bits, dim=(3, 4))
+        for i in range(3):
+            flat = x[i].reshape(6, 40, 16)
+            amax = flat.abs().amax(dim=(1, 2)).float()
+            want = torch.where(amax > 0, amax / qrange(bits)[1], torch.ones_like(amax))
+            assert torch.equal(got[i].reshape(6), want)
+    assert got[1, 0, 2].item() == 1.0 and got[2, 1, 0].item() == 1.0  # NaN > 0 is False: scale 1 too
+    for dim in (None, -1):
+        a = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+        want = torch.where(a.float() > 0, a.float() / 127, torch.ones_like(a.float()))
+        assert torch.equal(absmax_scale(x, 8, dim=dim), want)
+
+
+def strided_cases(dtype, g):
+    """(x, per-row scale) views the quantize op takes as they are: a layer's Q, K, V, a slice,
+    a broadcast leading dim, transposed leading dims, a single row."""
+    qkv = projection_view((2, 2, 5, 24), dtype, g)
+    sliced = (torch.randn(4, 6, 40, generator=g) * 30).to(dtype)[:, 1:5, 8:32]
+    wide = (torch.randn(5, 16, generator=g) * 30).to(dtype).expand(3, 5, 16)
+    turned = (torch.randn(6, 4, 8, generator=g) * 30).to(dtype).transpose(0, 1)
+    row = (torch.randn(32, generator=g) * 30).to(dtype)
+    return [(qkv, torch.rand(3, 2, 2, 1, generator=g).expand(3, 2, 2, 5) + 0.25),
+            (sliced, torch.rand(4, 4, generator=g).t() + 0.25),
+            (wide, torch.rand(3, 1, generator=g).expand(3, 5) + 0.25),
+            (turned, torch.rand(4, 6, generator=g) + 0.25),
+            (row, torch.rand((), generator=g) + 0.25)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("bits, signed", KINDS)
+def test_the_quantize_op_reads_strided_views(bits, signed, dtype):
+    """A strided x (last dim contiguous) gives the contiguous container of x.contiguous()."""
+    from magicube.ops import quant
+
+    g = torch.Generator().manual_seed(bits + signed)
+    for x, s in strided_cases(dtype, g):
+        x = x if signed else x.abs()
+        got = torch.ops.magicube.quantize(x, s, bits, signed)
+        assert got.is_contiguous() and got.dtype == container_dtype(bits, signed)
+        assert torch.equal(got, torch.ops.magicube.quantize(x.contiguous(), s.contiguous(), bits, signed))
+        assert torch.equal(got, quant.quantize_to_container(x.contiguous(), s[..., None], bits, signed))
