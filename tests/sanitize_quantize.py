@@ -19,6 +19,15 @@ def main() -> int:
         s = torch.rand(5, device="cuda") + 0.1
         got = torch.ops.magicube_cuda.quantize(x, s, bits, signed).cpu()
         bad += not torch.equal(got, quant.quantize_to_container(x.cpu(), s.cpu()[:, None], bits, signed))
+        # Q, K, V read in place: a [3, B, H, T, d] view of one [B, T, 3, H, d] projection, one scale
+        # per (batch x head) broadcast over T; the larger one wraps the resident grid
+        for B, T, H, d in ((2, 5, 2, 24), (2, 3000, 4, 64)):
+            qkv = (torch.randn(B, T, 3, H, d, device="cuda", dtype=torch.float16) * 50).permute(2, 0, 3, 1, 4)
+            qkv = qkv if signed else qkv.abs()
+            s = (torch.rand(3, B, H, 1, device="cuda") + 0.1).expand(3, B, H, T)
+            got = torch.ops.magicube_cuda.quantize(qkv, s, bits, signed).cpu()
+            want = quant.quantize_to_container(qkv.cpu(), s.cpu()[..., None], bits, signed)
+            bad += not torch.equal(got, want.contiguous())
     print("quantize sanitizer cases:", "ok" if not bad else f"{bad} mismatches")
     return 1 if bad else 0
 

@@ -37,3 +37,61 @@ def test_the_kernel_serves_the_op(kernels):
     s = torch.full((4,), 0.01, device="cuda")
     assert torch.equal(kernels.quantize(x, s, 8, True), torch.ops.magicube.quantize(x, s, 8, True))
     assert torch.equal(kernels.quantize(x, s, 8, True).cpu(), quant.quantize_to_container(x.cpu(), s.cpu()[:, None], 8))
+
+
+def strided_cases(dtype, signed):
+    """(x, per-row scale) strided views on the GPU: a layer's Q, K, V [3, B, H, T, d] (the last one
+    larger than the resident grid, so that every thread carries its digits several times), a
+    slice, a broadcast leading dim, transposed leading dims, a single row."""
+    g = torch.Generator().manual_seed(6)
+
+    def data(*shape):
+        x = torch.randn(shape, generator=g) * 30
+        return (x if signed else x.abs()).to(dtype).cuda()
+
+    def scale(*shape):
+        return (torch.rand(shape, generator=g) + 0.25).cuda()
+
+    def qkv(B, T, H, d):
+        return data(B, T, 3, H, d).permute(2, 0, 3, 1, 4), scale(3, B, H, 1).expand(3, B, H, T)
+
+    return [qkv(2, 5, 2, 24), qkv(2, 96, 4, 64), qkv(7, 3001, 5, 24),
+            (data(4, 6, 40)[:, 1:5, 8:32], scale(4, 4).t()),
+            (data(5, 16).expand(3, 5, 16), scale(3, 1).expand(3, 5)),
+            (data(6, 4, 8).transpose(0, 1), scale(4, 6)),
+            (data(32), scale())]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("bits, signed", KINDS)
+def test_strided_views_match_the_reference(kernels, bits, signed, dtype):
+    for x, s in strided_cases(dtype, signed):
+        got = kernels.quantize(x, s, bits, signed)
+        want = torch.ops.magicube.quantize(x.cpu(), s.cpu(), bits, signed)  # CPU: the reference
+        assert got.is_contiguous() and torch.equal(got.cpu(), want), (tuple(x.shape), x.stride())
+        assert torch.equal(got, kernels.quantize(x.contiguous(), s.contiguous(), bits, signed))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_absmax_of_the_projection_view(dtype):
+    """The inf-norm scales on the GPU equal abs then amax per (batch x head), zero head and NaN included."""
+    x = (torch.randn(2, 300, 3, 4, 64, device="cuda") * 10).to(dtype).permute(2, 0, 3, 1, 4)
+    x[1, 0, 2] = 0
+    x[2, 1, 0, 7, 3] = float("nan")
+    got = ops.absmax_scale(x, 8, dim=(3, 4))
+    amax = x.abs().amax(dim=(3, 4), keepdim=True).float()
+    assert torch.equal(got, torch.where(amax > 0, amax / 127, torch.ones_like(amax)))
+    assert torch.equal(got.cpu(), ops.absmax_scale(x.cpu(), 8, dim=(3, 4)))
+
+
+@pytest.mark.parametrize("precision", ["8b-8b", "8b-4b"])
+def test_the_layer_quantizes_like_the_reference(kernels, precision):
+    """Attention.quantize on the GPU (inf-norm, the strided kernel) == on the CPU (the reference)."""
+    from magicube.model.lra import QUANTIZED, LRAClassifier, LRAConfig
+
+    config = LRAConfig(max_len=512, emb_dim=256, num_heads=4, num_layers=1, attention=precision)
+    attn = LRAClassifier(config).blocks[0].attn
+    x = (torch.randn(2, 512, 3, 4, 64) * 3).half().permute(2, 0, 3, 1, 4)
+    bits = QUANTIZED[precision][1]
+    (want_q, want_s), (got_q, got_s) = attn.quantize(x, bits), attn.quantize(x.cuda(), bits)
+    assert torch.equal(got_q.cpu(), want_q) and torch.equal(got_s.cpu(), want_s)
