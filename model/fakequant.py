@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from magicube.ops import absmax_scale, qrange
+from magicube.ops import absmax_scale, qrange, scale_of_absmax
 
 SCALE_MODES = ("absmax", "fixed", "learned")  # absmax: per (batch x head) of each batch, as inference
 GRANULARITIES = ("head", "tensor")
@@ -190,6 +190,4 @@ def scales_from_absmax(absmax: torch.Tensor, bits: int, granularity: str) -> tor
         raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
     if granularity == "tensor":
         absmax = absmax.amax(dim=1, keepdim=True)
-    _, qmax = qrange(bits)
-    absmax = absmax.float()
-    return torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax))
+    return scale_of_absmax(absmax, bits)

@@ -208,10 +208,19 @@ class Attention(nn.Module):
         _, B, H, T, _ = qkv.shape
         scales = self.scales()
         if scales is None:
-            scale = ops.absmax_scale(qkv, bits, dim=(3, 4))  # [3, B, H, 1, 1]
+            scale = self.absmax_scale(qkv, bits)
         else:
             scale = fakequant.positive(scales.detach()).view(3, 1, -1, 1, 1).expand(3, B, H, 1, 1)
         return ops.quantize_to_container(qkv, scale, bits).view(3, B * H, T, -1), scale.reshape(3, B * H)
+
+    @staticmethod
+    def absmax_scale(qkv: torch.Tensor, bits: int) -> torch.Tensor:
+        """ops.absmax_scale(qkv, bits, dim=(3, 4)), [3, B, H, 1, 1], reduced in the memory order of the
+        projection output [B, T, 3, H, d]: min and max over T in one streaming pass, then the small
+        rest. PyTorch reduces the permuted view itself with strided reads, at a third of the speed."""
+        lo, hi = torch.aminmax(qkv.permute(1, 3, 0, 2, 4), dim=1)  # [B, 3, H, d]
+        absmax = torch.maximum(hi, -lo).amax(dim=-1)  # exact in any float dtype; NaN propagates
+        return ops.scale_of_absmax(absmax.transpose(0, 1)[..., None, None], bits)
 
 
 class Block(nn.Module):

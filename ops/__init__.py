@@ -8,11 +8,11 @@ from .format import INT4_SHUFFLE, SRBCRS, VectorMask, random_vector_mask, vector
 from .functional import expand_scale, quantize_to_container, sddmm, sparse_attention, sparse_softmax, spmm
 from .library import SDDMM_BITS, SOFTMAX_BITS, SPMM_PAIRS
 from .quant import (absmax_scale, combine_planes, container_dtype, dequantize, from_container, pack_int4,
-                    qrange, quantize, split_planes, to_container, unpack_int4)
+                    qrange, quantize, scale_of_absmax, split_planes, to_container, unpack_int4)
 
 __all__ = [
     "INT4_SHUFFLE", "SRBCRS", "VectorMask", "random_vector_mask", "vector_mask_from_dense",
     "spmm", "sddmm", "sparse_softmax", "sparse_attention", "expand_scale", "SPMM_PAIRS", "SDDMM_BITS", "SOFTMAX_BITS",
     "absmax_scale", "combine_planes", "container_dtype", "dequantize", "from_container", "pack_int4",
-    "qrange", "quantize", "quantize_to_container", "split_planes", "to_container", "unpack_int4",
+    "qrange", "quantize", "quantize_to_container", "scale_of_absmax", "split_planes", "to_container", "unpack_int4",
 ]

@@ -51,11 +51,15 @@ def absmax_scale(x: torch.Tensor, bits: int, signed: bool = True, dim=None) -> t
     qmax is the positive end of the type, so the absmax element maps to +-qmax and nothing
     saturates. An all-zero slice gets scale 1 so that dividing by it is harmless.
     """
+    a = x.detach().abs()  # abs and max are exact in any float dtype: reduce before widening
+    return scale_of_absmax(a.amax() if dim is None else a.amax(dim=dim, keepdim=True), bits, signed)
+
+
+def scale_of_absmax(absmax: torch.Tensor, bits: int, signed: bool = True) -> torch.Tensor:
+    """The fp32 scale absmax_scale gives a slice of this absmax: absmax / qmax, or 1 if it is 0 (or NaN)."""
     _, qmax = qrange(bits, signed)
-    # The inf-norm is max |x| in one pass (no |x| in memory), exact in any float dtype, and like
-    # amax it propagates NaN; a strided view (Q, K and V of one projection) reduces in place.
-    amax = torch.linalg.vector_norm(x.detach(), float("inf"), dim=dim, keepdim=dim is not None).float()
-    return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    absmax = absmax.float()
+    return torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax))
 
 
 def quantize(x: torch.Tensor, scale, bits: int, signed: bool = True) -> torch.Tensor:

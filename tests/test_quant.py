@@ -128,25 +128,20 @@ def projection_view(shape, dtype, generator):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_absmax_scale_of_a_view_is_the_amax_of_abs(dtype):
-    """One inf-norm reduction over Q, K and V in place gives the scales of abs, then amax, per
-    (batch x head) copy: bit for bit, an all-zero head (scale 1) and a NaN included."""
+def test_the_layer_absmax_of_the_projection_is_absmax_scale(dtype):
+    """The attention layer's min/max reduction in memory order gives absmax_scale's scales per
+    (batch x head), bit for bit: an all-zero head (scale 1) and a NaN (scale 1 too) included."""
+    from magicube.model.lra import Attention
+
     g = torch.Generator().manual_seed(5)
     x = projection_view((2, 3, 40, 16), dtype, g)
     x[1, 0, 2] = 0
     x[2, 1, 0, 7, 3] = float("nan")
     for bits in (8, 4):
-        got = absmax_scale(x, bits, dim=(3, 4))
-        for i in range(3):
-            flat = x[i].reshape(6, 40, 16)
-            amax = flat.abs().amax(dim=(1, 2)).float()
-            want = torch.where(amax > 0, amax / qrange(bits)[1], torch.ones_like(amax))
-            assert torch.equal(got[i].reshape(6), want)
-    assert got[1, 0, 2].item() == 1.0 and got[2, 1, 0].item() == 1.0  # NaN > 0 is False: scale 1 too
-    for dim in (None, -1):
-        a = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
-        want = torch.where(a.float() > 0, a.float() / 127, torch.ones_like(a.float()))
-        assert torch.equal(absmax_scale(x, 8, dim=dim), want)
+        got = Attention.absmax_scale(x, bits)
+        assert got.shape == (3, 2, 3, 1, 1) and torch.equal(got, absmax_scale(x, bits, dim=(3, 4)))
+        assert got[1, 0, 2].item() == 1.0 and got[2, 1, 0].item() == 1.0  # NaN > 0 is False
+        assert got[0, 0, 0].item() == (x[0, 0, 0].abs().max().float() / qrange(bits)[1]).item()
 
 
 def strided_cases(dtype, g):
