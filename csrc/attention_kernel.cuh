@@ -441,13 +441,22 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     }
   };
 
-  auto block_max = [&](const uint32_t (&h)[4], uint32_t bits, float mx) {
+  // The row max of fl(x * softmax_scale) over the kept slots. Rounding is monotonic, so that is
+  // fl(max x * s) for s >= 0 and fl(max(-x) * |s|) for s < 0 (negation is exact): the blocks
+  // keep a running fp16 max of the (negated) scores, one max.f16x2 per slot pair with the
+  // dropped slots set to -inf; max.f16x2 drops NaN as fmaxf does.
+  const uint32_t flip = softmax_scale < 0.f ? 0x80008000u : 0u;
+  uint32_t hmax = 0xFC00FC00u;  // -inf, -inf
+  auto block_max = [&](const uint32_t (&h)[4], uint32_t bits) {
+    // Kept bit 8n + e moved to the sign bit of byte n (e = 0: k0, e = 1: k1); a sign-replicating
+    // byte permute spreads it over half e of the mask.
+    const uint32_t k0 = bits << 7, k1 = bits << 6;
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
-      if (bits >> (8 * n) & 1u) mx = fmaxf(mx, half_lo(h[n]) * softmax_scale);
-      if (bits >> (8 * n + 1) & 1u) mx = fmaxf(mx, half_hi(h[n]) * softmax_scale);
+      const uint32_t keep = prmt(k0, k1, (8 + n) * 0x11 + (12 + n) * 0x1100);
+      const uint32_t x = ((h[n] ^ flip) & keep) | (~keep & 0xFC00FC00u);
+      asm("max.f16x2 %0, %0, %1;\n" : "+r"(hmax) : "r"(x));
     }
-    return mx;
   };
 
   // ---- Pass 1: scores (cached in shared memory for the first `cached` blocks) and the row max.
@@ -468,14 +477,15 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       block_scores(next_tile(), h, bits);
     }
   };
-  float mx = -INFINITY;
 #pragma unroll 1
   for (int j = 0; j < nbw; ++j) {
     uint32_t h[4], bits;
     block_scores(next_tile(), h, bits);
     if (j < p.cached) cache_store(j, h);
-    mx = block_max(h, bits, mx);
+    block_max(h, bits);
   }
+  const float hm = fmaxf(half_lo(hmax), half_hi(hmax));
+  float mx = hm > -INFINITY ? hm * fabsf(softmax_scale) : -INFINITY;  // no kept slot: -inf, also for s = 0
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
   float row_max = mx;
