@@ -193,17 +193,15 @@ struct QkAcc {
 
 // A loop-invariant value kept in a register: the compiler would otherwise recompute it from the
 // thread index at every tile copy (some 20 instructions per tile).
+__device__ __forceinline__ uint32_t pinned(uint32_t x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
 template <typename T>
-__device__ __forceinline__ T pinned(T x) {
-  if constexpr (sizeof(T) == 8) {
-    uint64_t u = reinterpret_cast<uint64_t&>(x);
-    asm volatile("" : "+l"(u));
-    return reinterpret_cast<T&>(u);
-  } else {
-    uint32_t u = reinterpret_cast<uint32_t&>(x);
-    asm volatile("" : "+r"(u));
-    return reinterpret_cast<T&>(u);
-  }
+__device__ __forceinline__ T* pinned(T* x) {
+  auto u = reinterpret_cast<uintptr_t>(x);
+  asm volatile("" : "+l"(u));
+  return reinterpret_cast<T*>(u);
 }
 
 __device__ __forceinline__ uint32_t pack_half2(__half a, __half b) {
