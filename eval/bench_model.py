@@ -6,6 +6,7 @@ the error is printed beside its time: a fast wrong answer never enters the table
 
     python -m magicube.eval.bench_model               # the full sweep on a GPU
     python -m magicube.eval.bench_model --quick       # B=8, L=4096, H=4, sparsity 0.9 only
+    python -m magicube.eval.bench_model --quick --profile   # and where one layer's time goes
 """
 
 from __future__ import annotations
@@ -53,6 +54,24 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
+def kernel_breakdown(fn, on_gpu: bool, calls: int = 20, top: int = 10) -> list[dict]:
+    """The `top` kernels (CPU: operators) by their own time per call of fn, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        sync()
+    events = prof.key_averages()
+    own = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
+    ranked = sorted((e for e in events if own(e) > 0), key=own, reverse=True)
+    return [{"name": e.key, "us_per_call": own(e) / calls, "launches_per_call": e.count / calls}
+            for e in ranked[:top]]
+
+
 def measure(fn, on_gpu: bool, reps: int, cuda_graph: bool) -> dict:
     if not on_gpu:
         return cpu_time(fn, warmup=1, reps=max(3, reps // 20))
@@ -78,6 +97,8 @@ def run_case(backend, batch, length, heads, sparsity, v, args, device, dtype) ->
     on_gpu = device.type == "cuda"
     row["model"] = measure(lambda: model(ids), on_gpu, args.reps, args.cuda_graph)
     row["layer"] = measure(lambda: layer(x.to(dtype)), on_gpu, args.reps, args.cuda_graph)
+    if getattr(args, "profile", False):
+        row["layer_kernels"] = kernel_breakdown(lambda: layer(x.to(dtype)), on_gpu)
     return row
 
 
@@ -121,6 +142,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--cuda-graph", action="store_true", help="time replays of a captured CUDA graph")
     parser.add_argument("--quick", action="store_true", help="only B=8, L=4096, H=4, sparsity 0.9")
+    parser.add_argument("--profile", action="store_true",
+                        help="also list the kernels one layer spends its time in (torch.profiler, outside any graph)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda where there is one")
     args = parser.parse_args(argv)
@@ -148,6 +171,8 @@ def main(argv=None) -> int:
             print(f"{backend:>12} {batch:>2} {length:>5} {heads:>2} {sparsity:>4} | {row['model']['median_ms']:9.3f} "
                   f"{row['model_rel_err']:8.1e} | {row['layer']['median_ms']:9.3f} {row['layer_rel_err']:8.1e} | "
                   f"{row['model'].get('peak_mem_mb', float('nan')):8.0f}", flush=True)
+            for k in row.get("layer_kernels", []):
+                print(f"{'':>14}{k['us_per_call']:9.1f} us  x{k['launches_per_call']:<4g} {k['name'][:90]}")
     plot(rows, args.out / "bench_model.png")
     print(f"wrote {path} and {args.out / 'bench_model.png'}")
     return 0

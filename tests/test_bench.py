@@ -15,3 +15,12 @@ def test_a_backend_over_its_error_tolerance_is_not_timed(monkeypatch):
     assert "over the tolerance" in row["rejected"] and "model" not in row
     row = bench_model.run_case("sparse", 1, 64, 1, 0.5, 8, args, cpu, torch.float32)
     assert "rejected" not in row and row["layer_rel_err"] < 1e-2 and row["model"]["median_ms"] > 0
+
+
+def test_profile_lists_where_the_layer_spends_its_time():
+    args = argparse.Namespace(reps=3, cuda_graph=False, profile=True)
+    row = bench_model.run_case("8b-8b", 1, 64, 1, 0.5, 8, args, torch.device("cpu"), torch.float32)
+    kernels = row["layer_kernels"]
+    assert 0 < len(kernels) <= 10 and all(k["us_per_call"] > 0 for k in kernels)
+    assert [k["us_per_call"] for k in kernels] == sorted((k["us_per_call"] for k in kernels), reverse=True)
+    assert any("magicube" in k["name"] for k in kernels)  # the quantized ops are among them
