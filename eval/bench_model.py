@@ -7,6 +7,7 @@ the error is printed beside its time: a fast wrong answer never enters the table
     python -m magicube.eval.bench_model               # the full sweep on a GPU
     python -m magicube.eval.bench_model --quick       # B=8, L=4096, H=4, sparsity 0.9 only
     python -m magicube.eval.bench_model --quick --profile   # and where one layer's time goes
+    python -m magicube.eval.bench_model --quick --compile --cuda-graph   # the leanest block PyTorch gives
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ def run_case(backend, batch, length, heads, sparsity, v, args, device, dtype) ->
     ids = torch.randint(1, 257, (batch, model.config.input_len), device=device)
     x = torch.randn(batch, length, model.config.emb_dim, device=device)
     layer, ref_layer = model.blocks[0].attn, ref.blocks[0].attn
+    if getattr(args, "compile", False):
+        # Every backend alike: inductor fuses the LayerNorms, GELU and residual adds around the
+        # attention, whose ops stay opaque to it. The errors below are those of the compiled code.
+        model, layer = torch.compile(model), torch.compile(layer)
     row = dict(backend=backend, batch=batch, length=length, heads=heads, sparsity=sparsity, v=v)
     row["model_rel_err"] = relative_error(model(ids).logits, ref(ids).logits)
     row["layer_rel_err"] = relative_error(layer(x.to(dtype)), ref_layer(x))
@@ -142,6 +147,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--cuda-graph", action="store_true", help="time replays of a captured CUDA graph")
     parser.add_argument("--quick", action="store_true", help="only B=8, L=4096, H=4, sparsity 0.9")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model and the layer (every backend)")
     parser.add_argument("--profile", action="store_true",
                         help="also list the kernels one layer spends its time in (torch.profiler, outside any graph)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
@@ -157,7 +163,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         args.batch, args.length, args.heads, args.sparsity = [2], [256], [2], [0.9]
     rows = []
-    payload = dict(environment=environment(device), cuda_graph=args.cuda_graph, dtype=str(dtype), rows=rows)
+    payload = dict(environment=environment(device), cuda_graph=args.cuda_graph, compile=args.compile, dtype=str(dtype),
+                   rows=rows)
     print(f"{'backend':>12} {'B':>2} {'L':>5} {'H':>2} {'sp':>4} | {'model ms':>9} {'err':>8} | "
           f"{'layer ms':>9} {'err':>8} | {'peak MB':>8}")
     for batch, length, heads, sparsity in itertools.product(args.batch, args.length, args.heads, args.sparsity):

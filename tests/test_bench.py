@@ -24,3 +24,9 @@ def test_profile_lists_where_the_layer_spends_its_time():
     assert 0 < len(kernels) <= 10 and all(k["us_per_call"] > 0 for k in kernels)
     assert [k["us_per_call"] for k in kernels] == sorted((k["us_per_call"] for k in kernels), reverse=True)
     assert any("magicube" in k["name"] for k in kernels)  # the quantized ops are among them
+
+
+def test_compiled_model_is_checked_and_timed():
+    args = argparse.Namespace(reps=3, cuda_graph=False, compile=True)
+    row = bench_model.run_case("8b-8b-fused", 1, 64, 1, 0.5, 8, args, torch.device("cpu"), torch.float32)
+    assert "rejected" not in row and row["layer_rel_err"] < 5e-2 and row["model"]["median_ms"] > 0
