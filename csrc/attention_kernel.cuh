@@ -328,8 +328,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     const bool live = static_cast<uint32_t>(col_l) < n_cols;
     const uint32_t live_mask = __ballot_sync(0xffffffffu, live);
     if constexpr (!C::kFp16) {
-      const uint64_t at = static_cast<uint64_t>(live ? static_cast<uint32_t>(col_l) : 0u) * static_cast<uint32_t>(p.bh);
-      cp_async4(dst + C::kMetaOffset + lane * 4, sk_base + at, live ? 4 : 0);
+      cp_async4(dst + C::kMetaOffset + lane * 4, sk_base + (live ? col_l : 0) * int64_t{p.bh}, live ? 4 : 0);
     }
     if (lane == 0) asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dst + C::kMetaOffset + kSlots * 4), "r"(live_mask));
     const int next = j + 1 < nbw ? j + 1 : (phase != 3 && nu > 0 ? p.cached : -1);
