@@ -211,10 +211,7 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
   p.k = static_cast<const uint8_t*>(key.data_ptr());
   p.val = static_cast<const uint8_t*>(value.data_ptr());
   p.scale_q = op == kHalf ? nullptr : scale_q->data_ptr<float>();
-  // The key scales transposed to [N, BH]: the 4 batch x heads of a whole-row CTA then gather one
-  // 32-byte sector per key (shared through L1) instead of four.
-  const at::Tensor scale_k_t = op == kHalf ? at::Tensor() : scale_k->t().contiguous();
-  p.scale_k = op == kHalf ? nullptr : scale_k_t.data_ptr<float>();
+  p.scale_k = op == kHalf ? nullptr : scale_k->data_ptr<float>();
   p.scale_v = op == kHalf ? nullptr : scale_v->data_ptr<float>();
   p.out = reinterpret_cast<__half*>(out.data_ptr());
   p.bh = static_cast<int>(bh);

@@ -5,10 +5,9 @@
 // Two layouts. Whole rows (the default): one warp = one vector row (V query rows sharing their kept
 // keys) of one batch x head, one CTA = that row for 4 consecutive batch x heads, which share the
 // row's column indices, staged once in shared memory; a warp owns its row, so past that
-// staging there is no block barrier and no cross-warp reduction. Split rows (SPLIT, for rows too
-// long for one warp's exact int32 accumulators): one CTA = one vector row of one batch x head,
-// its 4 warps take the row's 32-slot blocks round-robin and reduce through shared memory.
-// Scores and probabilities never leave the SM.
+// staging there is no block barrier and no cross-warp reduction. Split rows (SPLIT, for rows too long for one warp's exact int32
+// accumulators): one CTA = one vector row of one batch x head, its 4 warps take the row's 32-slot
+// blocks round-robin and reduce through shared memory. Scores and probabilities never leave the SM.
 //
 // Why this shape (Hopper, L = 4096, d = 64, sparsity 0.9: ~13 blocks per row):
 // - The kernel is bound by the L2 -> SM gather of key and value rows (both heads' K and V stay in
@@ -65,7 +64,7 @@ struct Params {
   const uint8_t* k;        // [BH, N, row bytes]
   const uint8_t* val;      // [BH, N, value row bytes]
   const float* scale_q;    // [BH, M] (integer modes)
-  const float* scale_k;    // [N, BH]: the batch x heads of a CTA read one 16-byte run per key
+  const float* scale_k;    // [BH, N]
   const float* scale_v;    // [BH, DV]
   __half* out;             // [BH, M, DV]
   int bh, m, n, v;
@@ -294,7 +293,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     row_dst[k] = pinned(C::tile_offset(CPR == 1 ? lane : 16 * k + (lane >> 1), lane_chunk * 16));
   const uint8_t* const key_base = pinned(p.k + bh * p.n * RB + lane_chunk * 16);
   const uint8_t* const val_base = pinned(p.val + bh * p.n * RB + lane_chunk * 16);
-  const float* const sk_base = pinned(p.scale_k + bh);
+  const float* const sk_base = pinned(p.scale_k + bh * p.n);
   const int* const warp_cols = p.col_idx + start + (SPLIT ? warp : 0) * kSlots + lane;  // + j * kBlockStride * kSlots
   const uint32_t n_cols = static_cast<uint32_t>(p.n);
   const uint32_t ring = smem_addr(smem) + warp * C::kStages * C::kTileBytes;
@@ -327,9 +326,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     // Slot metadata for the scores: the key scales and the mask of live slots.
     const bool live = static_cast<uint32_t>(col_l) < n_cols;
     const uint32_t live_mask = __ballot_sync(0xffffffffu, live);
-    if constexpr (!C::kFp16) {
-      cp_async4(dst + C::kMetaOffset + lane * 4, sk_base + (live ? col_l : 0) * int64_t{p.bh}, live ? 4 : 0);
-    }
+    if constexpr (!C::kFp16) cp_async4(dst + C::kMetaOffset + lane * 4, sk_base + (live ? col_l : 0), live ? 4 : 0);
     if (lane == 0) asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dst + C::kMetaOffset + kSlots * 4), "r"(live_mask));
     const int next = j + 1 < nbw ? j + 1 : (phase != 3 && nu > 0 ? p.cached : -1);
     if (next >= p.cached) pf_col = warp_cols[next * kBlockStride * kSlots];
