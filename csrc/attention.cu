@@ -53,29 +53,35 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
   }
   const int max_smem = dynamic_limit[device];
   // Score cache: the blocks a warp gets from a row of mean length (every row, for the balanced
-  // masks of the paper). Longer rows recompute their last blocks' scores. Whole rows keep at
-  // least 3 CTAs (12 warps) per SM, split rows as many as their cache allows: at L = 4096,
-  // sparsity 0.9, d = 64, 8-bit, 13 blocks per warp and 3 CTAs per SM (whole rows), or 4 blocks
-  // and 5 (split rows).
+  // masks of the paper). Longer rows recompute their last blocks' scores. Whole rows take 4 CTAs
+  // (16 warps) per SM where a mean row's cache fits, else 3; split rows as many as their cache
+  // allows. At L = 4096, sparsity 0.9, d = 64, 8-bit: 13 blocks per warp and 4 CTAs per SM
+  // (whole rows), or 4 blocks and 6 (split rows).
   const int64_t mean_blocks = (nnz_pad / 32 + vrows - 1) / vrows;
   int64_t cached = SPLIT ? (mean_blocks + kWarps - 1) / kWarps : mean_blocks;
   const int64_t static_smem = static_cast<int64_t>(prop->sharedMemPerBlockOptin) - max_smem;
-  const int64_t budget = SPLIT ? max_smem
-                               : std::min<int64_t>(max_smem, static_cast<int64_t>(prop->sharedMemPerMultiprocessor) / 3 -
-                                                                 static_cast<int64_t>(prop->reservedSharedMemPerBlock) -
-                                                                 static_smem);
-  const int64_t fit = (budget - C::kStageSmem) / C::kCacheBlockBytes;
-  // Whole rows pay off only with every block of a mean row cached: a recomputed block gathers its
-  // key tile twice (three times with fp16 probabilities).
+  // The cached blocks that fit beside the ring in `budget` bytes of dynamic shared memory.
+  auto fit = [&](int64_t budget) {
+    return (std::min<int64_t>(budget, max_smem) - C::kStageSmem) / C::cached_block_bytes(SPLIT);
+  };
+  auto per_sm = [&](int ctas) {
+    return static_cast<int64_t>(prop->sharedMemPerMultiprocessor) / ctas -
+           static_cast<int64_t>(prop->reservedSharedMemPerBlock) - static_smem;
+  };
+  int64_t room = SPLIT ? fit(max_smem) : fit(per_sm(4));
   if constexpr (!SPLIT) {
-    if (cached > fit) return launch<OP, PB, D, DV, true>(p, vrows, bh, nnz_pad, stream);
+    // Whole rows pay off only with every block of a mean row cached: a recomputed block gathers
+    // its key tile twice (three times with fp16 probabilities).
+    if (cached > room) room = fit(per_sm(3));
+    if (cached > room) return launch<OP, PB, D, DV, true>(p, vrows, bh, nnz_pad, stream);
   }
-  cached = std::max<int64_t>(1, std::min<int64_t>(cached, fit));
-  MAGICUBE_CHECK(C::smem_bytes(static_cast<int>(cached)) <= max_smem, "sparse_attention: needs ",
-              C::smem_bytes(static_cast<int>(cached)), " bytes of shared memory per block, the device has ", max_smem);
+  cached = std::max<int64_t>(1, std::min<int64_t>(cached, room));
+  const int smem = C::smem_bytes(static_cast<int>(cached), SPLIT);
+  MAGICUBE_CHECK(smem <= max_smem, "sparse_attention: needs ", smem,
+                 " bytes of shared memory per block, the device has ", max_smem);
   p.cached = static_cast<int>(cached);
   const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(SPLIT ? bh : (bh + kWarps - 1) / kWarps));
-  kernel<<<grid, kThreads, C::smem_bytes(p.cached), stream>>>(p);
+  kernel<<<grid, kThreads, smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

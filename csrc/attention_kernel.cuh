@@ -4,8 +4,8 @@
 //
 // Two layouts. Whole rows (the default): one warp = one vector row (V query rows sharing their kept
 // keys) of one batch x head, one CTA = that row for 4 consecutive batch x heads, which share the
-// row's column indices through L1; a warp owns its row, so there is no block barrier and no
-// cross-warp reduction. Split rows (SPLIT, for rows too long for one warp's exact int32
+// row's column indices, staged once in shared memory; a warp owns its row, so past that
+// staging there is no block barrier and no cross-warp reduction. Split rows (SPLIT, for rows too long for one warp's exact int32
 // accumulators): one CTA = one vector row of one batch x head, its 4 warps take the row's 32-slot
 // blocks round-robin and reduce through shared memory. Scores and probabilities never leave the SM.
 //
@@ -81,9 +81,25 @@ struct Cfg {
   static constexpr int kValBytes = bytes(DV);
   static constexpr int kLaneBytes = kKeyBytes / 4;  // a lane's run of one key row
   static constexpr int kLaneWords = kLaneBytes / 4;
-  // +16 bytes per shared row: 8 consecutive rows of one 16-byte column hit 8 distinct bank groups.
-  static constexpr int kRowStride = (kKeyBytes > kValBytes ? kKeyBytes : kValBytes) + 16;
-  static constexpr int kStages = kRowStride > 160 ? 2 : 3;
+  static constexpr int kRowStride = kKeyBytes > kValBytes ? kKeyBytes : kValBytes;
+  static constexpr int kStages = kRowStride > 128 ? 2 : 3;
+  // Shared tile rows are unpadded, their 16-byte chunks XOR-swizzled so that 8 consecutive rows
+  // of one chunk (an ldmatrix read) hit 8 distinct bank groups: rows of 64 bytes pair up in a
+  // 128-byte line, so the 4 rows of each parity need distinct chunk masks (0, 2, 1, 3, which
+  // also keeps the copies of 4 consecutive rows conflict-free); rows of 32 bytes fill a line by
+  // 4. The swizzle depends on bits 0-2 of the row only, so rows 8n + g share the mask of row g.
+  static constexpr int kChunksPerRow = kRowStride / 16;
+  static __device__ __forceinline__ uint32_t swizzle(int row) {
+    if constexpr (kChunksPerRow == 1) return 0u;
+    else if constexpr (kChunksPerRow == 2) return (row >> 2) & 1;
+    else if constexpr (kChunksPerRow == 4) return (row & 2) | ((row >> 2) & 1);
+    else return row & 7;
+  }
+  // Byte offset of byte `byte` of row `row` in a tile. XOR with 16 u stays inside the tile when
+  // byte / 16 and u share no bits (the chunk of a row plus whole chunks above it).
+  static __device__ __forceinline__ uint32_t tile_offset(int row, int byte) {
+    return row * kRowStride + ((((byte >> 4) ^ swizzle(row)) << 4) | (byte & 15));
+  }
   // A tile: 32 gathered rows, then (key tiles) the 32 key scales and the mask of live slots.
   static constexpr int kMetaOffset = kSlots * kRowStride;
   static constexpr int kTileBytes = kMetaOffset + kSlots * 4 + 16;
@@ -91,15 +107,22 @@ struct Cfg {
   static constexpr int kVPlanes = OP == kInt16 ? 2 : 1;
   static constexpr int kAccSets = kPPlanes == 2 && kVPlanes == 2 ? 3 : kPPlanes * kVPlanes;
   static constexpr int kMT = DV / 16;
-  static constexpr int kCacheWords = 6;  // per lane and block: 4 half2 scores, the kept bits, a copy column
+  static constexpr int kCacheWords = 4;  // per lane and block: 4 half2 scores
   static constexpr int kCacheBlockBytes = kWarps * kCacheWords * 32 * 4;  // one block per warp
   static constexpr int kShift = OP == kInt4 ? 4 : 0;
   static constexpr int kStageSmem = kWarps * kStages * kTileBytes;
   static constexpr int kReduceSmem = kWarps * 8 * DV * (kFp16 ? 4 : 8);
+  // Shared memory per cached block of a warp: its scores in each warp's cache and the column
+  // indices the CTA stages for it (whole rows: one block shared by the 4 warps; split rows: the
+  // 4 warps' blocks).
+  static constexpr int cached_block_bytes(bool split) {
+    return kCacheBlockBytes + (split ? kWarps : 1) * kSlots * 4;
+  }
   // Dynamic shared memory for a score cache of `cached` blocks per warp.
-  static constexpr int smem_bytes(int cached) {
-    return kStageSmem + cached * kCacheBlockBytes > kReduceSmem ? kStageSmem + cached * kCacheBlockBytes
-                                                                : kReduceSmem;
+  static constexpr int smem_bytes(int cached, bool split) {
+    return kStageSmem + cached * cached_block_bytes(split) > kReduceSmem
+               ? kStageSmem + cached * cached_block_bytes(split)
+               : kReduceSmem;
   }
   static_assert(kKeyBytes % 16 == 0 && kValBytes % 16 == 0, "rows must be whole 16-byte chunks");
   static_assert(kLaneWords >= 1, "head dim too small");
@@ -121,18 +144,19 @@ __device__ __forceinline__ void ldg_words(uint32_t (&w)[NB / 4], const uint8_t* 
   }
 }
 
+// NB bytes at `offset` of a swizzled tile: chunk u of the run lies at offset ^ 16 u.
 template <int NB>
-__device__ __forceinline__ void lds_words(uint32_t (&w)[NB / 4], uint32_t addr) {
+__device__ __forceinline__ void lds_words(uint32_t (&w)[NB / 4], uint32_t tile, uint32_t offset) {
   if constexpr (NB >= 16) {
 #pragma unroll
     for (int u = 0; u < NB / 16; ++u)
       asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(w[4 * u]), "=r"(w[4 * u + 1]), "=r"(w[4 * u + 2]), "=r"(w[4 * u + 3])
-                   : "r"(addr + 16 * u));
+                   : "r"(tile + (offset ^ (16 * u))));
   } else if constexpr (NB == 8) {
-    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(w[0]), "=r"(w[1]) : "r"(addr));
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(w[0]), "=r"(w[1]) : "r"(tile + offset));
   } else {
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w[0]) : "r"(addr));
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w[0]) : "r"(tile + offset));
   }
 }
 
@@ -166,6 +190,19 @@ struct QkAcc {
   int ll[OP == kInt16 ? 4 : 1];  // lo x lo
 };
 
+// A loop-invariant value kept in a register: the compiler would otherwise recompute it from the
+// thread index at every tile copy (some 20 instructions per tile).
+__device__ __forceinline__ uint32_t pinned(uint32_t x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+template <typename T>
+__device__ __forceinline__ T* pinned(T* x) {
+  auto u = reinterpret_cast<uintptr_t>(x);
+  asm volatile("" : "+l"(u));
+  return reinterpret_cast<T*>(u);
+}
+
 __device__ __forceinline__ uint32_t pack_half2(__half a, __half b) {
   return static_cast<uint32_t>(__half_as_ushort(a)) | (static_cast<uint32_t>(__half_as_ushort(b)) << 16);
 }
@@ -192,7 +229,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int64_t bh = SPLIT ? blockIdx.y : static_cast<int64_t>(blockIdx.y) * kWarps + warp;
-  if (!SPLIT && bh >= p.bh) return;  // no block barrier in this layout
+  const bool warp_live = SPLIT || bh < p.bh;  // whole rows: the last CTA may hold fewer batch x heads
   const int vrow = p.row_order[blockIdx.x];
   const int v = p.v;
   const int start = p.row_ptr[2 * vrow];
@@ -214,12 +251,25 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     uint32_t raw[NW];
 #pragma unroll
     for (int i = 0; i < NW; ++i) raw[i] = 0;
-    if (row_live) {
+    if (row_live && warp_live) {
       ldg_words<C::kLaneBytes>(raw, p.q + (qrow0 + g) * C::kKeyBytes + t * C::kLaneBytes);
       if constexpr (!C::kFp16) sq = p.scale_q[qrow0 + g];
     }
     qw.set(raw);
   }
+
+  // The column indices of the cached blocks, staged once for the CTA (whole rows: the 4 warps
+  // stream the same blocks; split rows: each warp its own). The copies of cached blocks and the
+  // kept slots of pass 2 come from here; blocks past the cache read their columns from global
+  // memory.
+  int* const cols = reinterpret_cast<int*>(smem + C::kStageSmem + p.cached * C::kCacheBlockBytes);
+  {
+    const int staged = min(nb, p.cached * kBlockStride) * kSlots;
+    for (int i = threadIdx.x; i < staged; i += kThreads) cols[i] = p.col_idx[start + i];
+  }
+  __syncthreads();
+  if (!warp_live) return;
+  auto block_cols = [&](int j) { return cols + ((SPLIT ? warp : 0) + j * kBlockStride) * kSlots; };
 
   // ---- The warp's tile stream, in the order the tiles are consumed: pass 1 key tiles of blocks
   // 0..nbw-1 (phase 0); fp16: the key tiles past the cache again (phase 1); pass 2 value tiles of
@@ -229,8 +279,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   // Copy map: a lane copies rows r0 = lane / 2 and r1 = 16 + lane / 2 of a tile, 16-byte chunks
   // 2u + (lane & 1), so two lanes fill whole 32-byte sectors of a row (16-byte rows: row `lane`).
   // A lane's source addresses are then its two columns times the row bytes, the same for the key
-  // and the value tile of a block: pass 1 keeps each lane's pair half in the score cache and pass 2
-  // rereads the pair, with no column reload or shuffle.
+  // and the value tile of a block. In the tile, chunk 2u + (lane & 1) of a row lies at the
+  // row's offset for chunk lane & 1, XOR 32 u.
   static_assert(C::kKeyBytes == C::kValBytes, "key and value tiles share their copy offsets");
   constexpr int RB = C::kKeyBytes;
   constexpr int CPR = RB / 16;
@@ -240,17 +290,16 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   uint32_t row_dst[kRows];
 #pragma unroll
   for (int k = 0; k < kRows; ++k)
-    row_dst[k] = (CPR == 1 ? lane : 16 * k + (lane >> 1)) * C::kRowStride + lane_chunk * 16;
-  const uint8_t* const key_base = p.k + bh * p.n * RB + lane_chunk * 16;
-  const uint8_t* const val_base = p.val + bh * p.n * RB + lane_chunk * 16;
-  const float* const sk_base = p.scale_k + bh * p.n;
+    row_dst[k] = pinned(C::tile_offset(CPR == 1 ? lane : 16 * k + (lane >> 1), lane_chunk * 16));
+  const uint8_t* const key_base = pinned(p.k + bh * p.n * RB + lane_chunk * 16);
+  const uint8_t* const val_base = pinned(p.val + bh * p.n * RB + lane_chunk * 16);
+  const float* const sk_base = pinned(p.scale_k + bh * p.n);
   const int* const warp_cols = p.col_idx + start + (SPLIT ? warp : 0) * kSlots + lane;  // + j * kBlockStride * kSlots
   const uint32_t n_cols = static_cast<uint32_t>(p.n);
   const uint32_t ring = smem_addr(smem) + warp * C::kStages * C::kTileBytes;
   const uint32_t ring_end = ring + C::kStages * C::kTileBytes;
-  // Score cache, per lane and block: 4 half2 scores, the kept bits, the lane's copy column.
+  // Score cache, per lane and block: 4 half2 scores.
   uint32_t* cache = reinterpret_cast<uint32_t*>(smem + C::kStageSmem) + warp * p.cached * C::kCacheWords * 32;
-  const uint32_t cache_cols = smem_addr(cache) + 5 * 32 * 4 + (kRows == 2 ? (lane & ~1) : lane) * 4;
 
   auto copy_tile = [&](uint32_t dst, const uint8_t* base, const int (&c)[kRows]) {
 #pragma unroll
@@ -258,15 +307,15 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       const bool live = static_cast<uint32_t>(c[k]) < n_cols;
       const uint8_t* src = base + static_cast<uint64_t>(live ? static_cast<uint32_t>(c[k]) : 0u) * RB;
 #pragma unroll
-      for (int u = 0; u < kChunks; ++u) cp_async16(dst + row_dst[k] + 32 * u, src + 32 * u, live ? 16 : 0);
+      for (int u = 0; u < kChunks; ++u) cp_async16(dst + (row_dst[k] ^ (32 * u)), src + 32 * u, live ? 16 : 0);
     }
   };
-  // The columns of slot `lane` of the next key tile to issue, loaded one key tile ahead so the
-  // gather addresses never wait on a dependent load.
-  int pf_col = nbw > 0 ? warp_cols[0] : -1;
+  // Past the cache: the column of slot `lane` of the next key tile to issue, loaded one key tile
+  // ahead so the gather addresses never wait on a dependent global load.
+  int pf_col = -1;
   int cur_cols[kRows];  // copy columns of the last key tile issued (its value tile follows in phase 3)
   auto issue_key = [&](uint32_t dst, int j, int phase) {
-    const int col_l = pf_col;
+    const int col_l = j < p.cached ? block_cols(j)[lane] : pf_col;
     if constexpr (kRows == 2) {
       cur_cols[0] = __shfl_sync(0xffffffffu, col_l, lane >> 1);
       cur_cols[1] = __shfl_sync(0xffffffffu, col_l, 16 + (lane >> 1));
@@ -279,12 +328,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     const uint32_t live_mask = __ballot_sync(0xffffffffu, live);
     if constexpr (!C::kFp16) cp_async4(dst + C::kMetaOffset + lane * 4, sk_base + (live ? col_l : 0), live ? 4 : 0);
     if (lane == 0) asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dst + C::kMetaOffset + kSlots * 4), "r"(live_mask));
-    if (phase == 0 && j < p.cached) {
-      const int mine = kRows == 2 && (lane & 1) ? cur_cols[kRows - 1] : cur_cols[0];
-      cache[j * C::kCacheWords * 32 + 5 * 32 + lane] = static_cast<uint32_t>(mine);
-    }
     const int next = j + 1 < nbw ? j + 1 : (phase != 3 && nu > 0 ? p.cached : -1);
-    if (next >= 0) pf_col = warp_cols[next * kBlockStride * kSlots];
+    if (next >= p.cached) pf_col = warp_cols[next * kBlockStride * kSlots];
   };
   int iss_phase = 0, iss_j = 0;
   bool iss_val = false;  // phase 3: the value tile of block iss_j is next
@@ -298,13 +343,10 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   uint32_t iss_dst = ring;
   auto issue = [&]() {
     if (iss_phase == 2) {
+      const int* staged = block_cols(iss_j);
       int c[kRows];
-      const uint32_t at = cache_cols + iss_j * C::kCacheWords * 32 * 4;
-      if constexpr (kRows == 2) {
-        asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(c[0]), "=r"(c[1]) : "r"(at));
-      } else {
-        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(c[0]) : "r"(at));
-      }
+#pragma unroll
+      for (int k = 0; k < kRows; ++k) c[k] = staged[kRows == 2 ? 16 * k + (lane >> 1) : lane];
       copy_tile(iss_dst, val_base, c);
       ++iss_j;
     } else if (iss_phase == 3 && iss_val) {
@@ -333,7 +375,10 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   for (int s = 0; s < C::kStages - 1; ++s) issue();
 
   // ---- Scores of one block: h[n] holds the fp16 scores of row g at slots 8n + 2t, 8n + 2t + 1
-  // (low, high half); bit 2n + e of `bits` says whether slot 8n + 2t + e is kept.
+  // (low, high half); bit 8n + e of `bits` says whether slot 8n + 2t + e is kept (the mask of
+  // live slots shifted by 2t: one shift and one AND instead of gathering 8 bits).
+  const uint32_t key_off = pinned(C::tile_offset(g, t * C::kLaneBytes));
+  auto kept_bits = [&](uint32_t live_mask) { return row_live ? (live_mask >> (2 * t)) & 0x03030303u : 0u; };
   auto block_scores = [&](uint32_t tile, uint32_t (&h)[4], uint32_t& bits) {
     uint32_t live_mask;
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(live_mask) : "r"(tile + C::kMetaOffset + kSlots * 4));
@@ -346,7 +391,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
         if constexpr (OP == kInt16) { acc[n].x[e] = 0; acc[n].ll[e] = 0; }
       }
       uint32_t raw[NW];
-      lds_words<C::kLaneBytes>(raw, tile + (8 * n + g) * C::kRowStride + t * C::kLaneBytes);
+      lds_words<C::kLaneBytes>(raw, tile + 8 * n * C::kRowStride, key_off);
       Words kw;
       kw.set(raw);
 #pragma unroll
@@ -366,7 +411,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
         }
       }
     }
-    bits = 0;
+    bits = kept_bits(live_mask);
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       // The key scales of the lane's two slots 8n + 2t, 8n + 2t + 1 are adjacent in the meta.
@@ -379,8 +424,6 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       __half hv[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int slot = 8 * n + 2 * t + e;
-        bits |= ((live_mask >> slot) & 1u) << (2 * n + e);
         if constexpr (C::kFp16) {
           hv[e] = __float2half_rn(acc[n].d[e]);
         } else {
@@ -394,44 +437,53 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       }
       h[n] = pack_half2(hv[0], hv[1]);
     }
-    if (!row_live) bits = 0;
   };
 
-  auto block_max = [&](const uint32_t (&h)[4], uint32_t bits, float mx) {
+  // The row max of fl(x * softmax_scale) over the kept slots. Rounding is monotonic, so that is
+  // fl(max x * s) for s >= 0 and fl(max(-x) * |s|) for s < 0 (negation is exact): the blocks
+  // keep a running fp16 max of the (negated) scores, one max.f16x2 per slot pair with the
+  // dropped slots set to -inf; max.f16x2 drops NaN as fmaxf does.
+  const uint32_t flip = softmax_scale < 0.f ? 0x80008000u : 0u;
+  uint32_t hmax = 0xFC00FC00u;  // -inf, -inf
+  auto block_max = [&](const uint32_t (&h)[4], uint32_t bits) {
+    // Kept bit 8n + e moved to the sign bit of byte n (e = 0: k0, e = 1: k1); a sign-replicating
+    // byte permute spreads it over half e of the mask.
+    const uint32_t k0 = bits << 7, k1 = bits << 6;
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
-      if (bits >> (2 * n) & 1u) mx = fmaxf(mx, half_lo(h[n]) * softmax_scale);
-      if (bits >> (2 * n + 1) & 1u) mx = fmaxf(mx, half_hi(h[n]) * softmax_scale);
+      const uint32_t keep = prmt(k0, k1, (8 + n) * 0x11 + (12 + n) * 0x1100);
+      const uint32_t x = ((h[n] ^ flip) & keep) | (~keep & 0xFC00FC00u);
+      asm("max.f16x2 %0, %0, %1;\n" : "+r"(hmax) : "r"(x));
     }
-    return mx;
   };
 
   // ---- Pass 1: scores (cached in shared memory for the first `cached` blocks) and the row max.
-  auto cache_store = [&](int j, const uint32_t (&h)[4], uint32_t bits) {
+  auto cache_store = [&](int j, const uint32_t (&h)[4]) {
     uint32_t* c = cache + j * C::kCacheWords * 32 + lane;
 #pragma unroll
     for (int n = 0; n < 4; ++n) c[32 * n] = h[n];
-    c[32 * 4] = bits;
   };
-  // A block's scores: from the cache, or recomputed from its key tile (the next in the stream).
+  // A block's scores: from the cache (its kept slots from the staged columns), or recomputed
+  // from its key tile (the next in the stream).
   auto scores_of = [&](int j, uint32_t (&h)[4], uint32_t& bits) {
     if (j < p.cached) {
       const uint32_t* c = cache + j * C::kCacheWords * 32 + lane;
 #pragma unroll
       for (int n = 0; n < 4; ++n) h[n] = c[32 * n];
-      bits = c[32 * 4];
+      bits = kept_bits(__ballot_sync(0xffffffffu, static_cast<uint32_t>(block_cols(j)[lane]) < n_cols));
     } else {
       block_scores(next_tile(), h, bits);
     }
   };
-  float mx = -INFINITY;
 #pragma unroll 1
   for (int j = 0; j < nbw; ++j) {
     uint32_t h[4], bits;
     block_scores(next_tile(), h, bits);
-    if (j < p.cached) cache_store(j, h, bits);
-    mx = block_max(h, bits, mx);
+    if (j < p.cached) cache_store(j, h);
+    block_max(h, bits);
   }
+  const float hm = fmaxf(half_lo(hmax), half_hi(hmax));
+  float mx = hm > -INFINITY ? hm * fabsf(softmax_scale) : -INFINITY;  // no kept slot: -inf, also for s = 0
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
   float row_max = mx;
@@ -455,8 +507,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       const float x0 = __fsub_rn(__fmul_rn(half_lo(h[n]), softmax_scale), row_max);
       const float x1 = __fsub_rn(__fmul_rn(half_hi(h[n]), softmax_scale), row_max);
       const float y0 = ex2(__fmul_rn(x0, kLog2e)), y1 = ex2(__fmul_rn(x1, kLog2e));
-      e[n][0] = (bits >> (2 * n) & 1u) ? y0 : 0.f;
-      e[n][1] = (bits >> (2 * n + 1) & 1u) ? y1 : 0.f;
+      e[n][0] = (bits >> (8 * n) & 1u) ? y0 : 0.f;
+      e[n][1] = (bits >> (8 * n + 1) & 1u) ? y1 : 0.f;
     }
   };
 
@@ -499,6 +551,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       for (int e = 0; e < 4; ++e) acc[s][mt][e] = 0;
 
   const int li = lane & 7, lm = lane >> 3;
+  const uint32_t lane_row = pinned(C::tile_offset(lane, 0));  // XOR 16 c: chunk c of slot `lane`
   auto block_pv = [&](uint32_t tile, const uint32_t (&h)[4], uint32_t bits) {
     float e[4][2];
     block_exp(h, bits, e);
@@ -518,7 +571,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
           const int row = 16 * ks + 8 * (lm >> 1) + li;
           const int chunk = 2 * mt + (lm & 1);
           uint32_t a[4];
-          ldsm_x4_trans(tile + row * C::kRowStride + chunk * 16, a[0], a[1], a[2], a[3]);
+          ldsm_x4_trans(tile + C::tile_offset(row, chunk * 16), a[0], a[1], a[2], a[3]);
           mma_16816_f16(acc[0][mt], a, pb[2 * ks], pb[2 * ks + 1]);
         }
     } else {
@@ -543,12 +596,13 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
                          (((q[n1][0] >> sh) & 0xFFu) << 16) | (((q[n1][1] >> sh) & 0xFFu) << 24);
         }
       }
-      const uint32_t lrow = tile + lane * C::kRowStride;
+      // Lane l addresses slot l's 16-byte chunk c of the tile.
+      auto lchunk = [&](int c) { return tile + (lane_row ^ (16 * c)); };
       if constexpr (OP == kInt8) {
 #pragma unroll
         for (int mt = 0; mt < C::kMT; ++mt) {
           uint32_t r[4];
-          ldsm_x4_trans(lrow + mt * 16, r[0], r[1], r[2], r[3]);
+          ldsm_x4_trans(lchunk(mt), r[0], r[1], r[2], r[3]);
           const uint32_t a[4] = {even_bytes(r[0], r[1]), odd_bytes(r[0], r[1]), even_bytes(r[2], r[3]),
                                  odd_bytes(r[2], r[3])};
 #pragma unroll
@@ -558,7 +612,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
 #pragma unroll
         for (int c = 0; c < C::kMT / 2; ++c) {
           uint32_t r[4];
-          ldsm_x4_trans(lrow + c * 16, r[0], r[1], r[2], r[3]);
+          ldsm_x4_trans(lchunk(c), r[0], r[1], r[2], r[3]);
           const uint32_t x01 = even_bytes(r[0], r[1]), y01 = odd_bytes(r[0], r[1]);
           const uint32_t x23 = even_bytes(r[2], r[3]), y23 = odd_bytes(r[2], r[3]);
           const uint32_t lo[4] = {low_nibbles_x16(x01), low_nibbles_x16(y01), low_nibbles_x16(x23),
@@ -575,8 +629,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
 #pragma unroll
         for (int mt = 0; mt < C::kMT; ++mt) {
           uint32_t r[4], s[4];
-          ldsm_x4_trans(lrow + 2 * mt * 16, r[0], r[1], r[2], r[3]);
-          ldsm_x4_trans(lrow + (2 * mt + 1) * 16, s[0], s[1], s[2], s[3]);
+          ldsm_x4_trans(lchunk(2 * mt), r[0], r[1], r[2], r[3]);
+          ldsm_x4_trans(lchunk(2 * mt + 1), s[0], s[1], s[2], s[3]);
           const uint32_t vh[4] = {odd_bytes(r[0], r[1]), odd_bytes(s[0], s[1]), odd_bytes(r[2], r[3]),
                                   odd_bytes(s[2], s[3])};
           const uint32_t vl[4] = {even_bytes(r[0], r[1]), even_bytes(s[0], s[1]), even_bytes(r[2], r[3]),

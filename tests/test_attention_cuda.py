@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from conftest import load_kernels, poison_allocator, problem
-from magicube.ops import SRBCRS, VectorMask, absmax_scale, from_container, quantize, to_container
+from magicube.ops import (SRBCRS, VectorMask, absmax_scale, from_container, quantize, random_vector_mask,
+                          to_container)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -144,6 +145,38 @@ def test_range_extremes(kernels, p_bits, qk_bits):
               torch.full((bh, p.m), s), torch.full((bh, n), s), torch.full((bh, d), 1e-2))
     got, want = run_both(kernels, p, inputs, v, 0.125, qk_bits, p_bits)
     check_quantized(p, emask, inputs, got, want, v, 0.125, qk_bits, p_bits, "extremes")
+
+
+@pytest.mark.parametrize("p_bits, qk_bits", PAIRS, ids=PAIR_IDS)
+def test_balanced_rows(kernels, p_bits, qk_bits):
+    """The benchmark's kind of mask (every vector row keeps the same count, 13 blocks of 32 at
+    L = 4096, sparsity 0.9) on a smaller L: whole rows with every block in the score cache, BH = 6
+    (the last CTA of 4 batch x heads half empty)."""
+    bh, seq, v, d = 6, 1024, 8, 64
+    mask = random_vector_mask(seq, seq, v, 0.9, seed=2)
+    p = SRBCRS.from_mask(mask, stride=32)
+    g = torch.Generator().manual_seed(11)
+    inputs = make_inputs(bh, seq, seq, d, p_bits, qk_bits, g)
+    got, want = run_both(kernels, p, inputs, v, d**-0.5, qk_bits, p_bits)
+    if p_bits == 0:
+        check_fp16(p, mask.to_dense(), inputs, got, want, d**-0.5, "balanced")
+    else:
+        check_quantized(p, mask.to_dense(), inputs, got, want, v, d**-0.5, qk_bits, p_bits, "balanced")
+
+
+@pytest.mark.parametrize("p_bits, qk_bits", PAIRS, ids=PAIR_IDS)
+def test_negative_softmax_scale(kernels, p_bits, qk_bits):
+    """A negative softmax scale: the row max is then the smallest score times the scale."""
+    bh, rows, n, v, d = 3, 5, 97, 8, 32
+    p, emask = problem(bh, rows, n, v, 0.7, seed=1)
+    g = torch.Generator().manual_seed(5)
+    inputs = make_inputs(bh, p.m, n, d, p_bits, qk_bits, g)
+    scale = -(d**-0.5)
+    got, want = run_both(kernels, p, inputs, v, scale, qk_bits, p_bits)
+    if p_bits == 0:
+        check_fp16(p, emask, inputs, got, want, scale, "negative scale")
+    else:
+        check_quantized(p, emask, inputs, got, want, v, scale, qk_bits, p_bits, "negative scale")
 
 
 def test_long_row_uncached(kernels):
