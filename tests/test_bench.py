@@ -27,6 +27,7 @@ def test_profile_lists_where_the_layer_spends_its_time():
 
 
 def test_compiled_model_is_checked_and_timed():
+    """8b-4b: two bit widths in one layer, which must stay constants through recompiles."""
     args = argparse.Namespace(reps=3, cuda_graph=False, compile=True)
-    row = bench_model.run_case("8b-8b-fused", 1, 64, 1, 0.5, 8, args, torch.device("cpu"), torch.float32)
-    assert "rejected" not in row and row["layer_rel_err"] < 5e-2 and row["model"]["median_ms"] > 0
+    row = bench_model.run_case("8b-4b-fused", 1, 64, 1, 0.5, 8, args, torch.device("cpu"), torch.float32)
+    assert "rejected" not in row and row["layer_rel_err"] < 0.35 and row["model"]["median_ms"] > 0
