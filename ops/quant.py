@@ -59,7 +59,9 @@ def scale_of_absmax(absmax: torch.Tensor, bits: int, signed: bool = True) -> tor
     """The fp32 scale absmax_scale gives a slice of this absmax: absmax / qmax, or 1 if it is 0 (or NaN)."""
     _, qmax = qrange(bits, signed)
     absmax = absmax.float()
-    return torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax))
+    # A tensor divisor: CUDA divides by a Python number as a product with its reciprocal, which
+    # can miss the CPU's correctly rounded quotient by one bit (and the CPU is the reference).
+    return torch.where(absmax > 0, absmax / torch.full_like(absmax, qmax), torch.ones_like(absmax))
 
 
 def quantize(x: torch.Tensor, scale, bits: int, signed: bool = True) -> torch.Tensor:
