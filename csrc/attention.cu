@@ -28,6 +28,21 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& 
   MAGICUBE_CHECK(t.is_contiguous(), "sparse_attention: ", name, " must be contiguous");
 }
 
+// A scale [BH, rows] of any non-negative strides (a per-(batch x head) scale expanded along its rows
+// has stride 0 there). The kernel steps along the rows by a 32-bit byte offset; returns that step.
+uint32_t check_scale(const at::Tensor& t, const char* name, int64_t bh, int64_t rows, const at::Device& device) {
+  MAGICUBE_CHECK(t.is_cuda(), "sparse_attention: ", name, " must be a CUDA tensor, got one on ", t.device());
+  MAGICUBE_CHECK(t.device() == device, "sparse_attention: ", name, " is on ", t.device(), " but query is on ", device);
+  MAGICUBE_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == bh && t.size(1) == rows,
+                 "sparse_attention: ", name, " must be a float32 [BH, ", rows, "] = [", bh, ", ", rows,
+                 "] tensor, got ", t.scalar_type(), " of ", t.dim(), " dims");
+  const int64_t step = rows > 1 ? t.stride(1) * static_cast<int64_t>(sizeof(float)) : 0;
+  MAGICUBE_CHECK(t.stride(0) >= 0 && step >= 0 && (rows - 1) * step < (int64_t(1) << 32),
+                 "sparse_attention: ", name, " must have non-negative strides spanning less than 4 GiB along its "
+                 "rows, got strides (", t.stride(0), ", ", t.stride(1), ")");
+  return static_cast<uint32_t>(step);
+}
+
 // A fresh allocation is 256-byte aligned; a view with an odd storage offset is copied once so the
 // 16-byte loads and asynchronous copies stay legal.
 at::Tensor aligned16(const at::Tensor& t) {
@@ -109,7 +124,7 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
                                  const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
                                  const std::optional<at::Tensor>& scale_q, const std::optional<at::Tensor>& scale_k,
                                  const std::optional<at::Tensor>& scale_v, int64_t v, double softmax_scale,
-                                 int64_t qk_bits, int64_t p_bits) {
+                                 int64_t qk_bits, int64_t p_bits, int64_t heads) {
   const at::Device device = query_in.device();
   check_cuda_tensor(query_in, "query", device);
   const c10::cuda::CUDAGuard guard(device);
@@ -175,6 +190,8 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
               d, ")");
   MAGICUBE_CHECK(bh <= 65535 && vrows <= INT32_MAX && n < INT32_MAX && m < INT32_MAX,
               "sparse_attention: BH must be <= 65535 and M, N < 2^31");
+  MAGICUBE_CHECK(heads >= 1 && bh % heads == 0, "sparse_attention: heads must divide BH = ", bh, ", got ", heads);
+  Params p{};  // fp16 inputs leave the scales null
   bool split = false;
   if (op != kHalf) {
     // int32 accumulators: a warp sums at most ceil(N/32) blocks of 32 slots (whole rows), or
@@ -188,32 +205,30 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
                 " keys exceed the exact int32 accumulation of this precision pair");
     for (const auto* s : {&scale_q, &scale_k, &scale_v})
       MAGICUBE_CHECK(s->has_value(), "sparse_attention: integer inputs need scale_q, scale_k and scale_v");
-    const std::pair<const at::Tensor*, std::pair<const char*, int64_t>> scales[] = {
-        {&*scale_q, {"scale_q", m}}, {&*scale_k, {"scale_k", n}}, {&*scale_v, {"scale_v", dv}}};
-    for (const auto& [t, info] : scales) {
-      check_cuda_tensor(*t, info.first, device);
-      MAGICUBE_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == bh && t->size(1) == info.second,
-                  "sparse_attention: ", info.first, " must be a float32 [BH, ", info.second, "] = [", bh, ", ",
-                  info.second, "] tensor");
-    }
+    p.sq_step = check_scale(*scale_q, "scale_q", bh, m, device);
+    p.sk_step = check_scale(*scale_k, "scale_k", bh, n, device);
+    p.sv_step = check_scale(*scale_v, "scale_v", bh, dv, device);
+    p.scale_q = scale_q->data_ptr<float>();
+    p.scale_k = scale_k->data_ptr<float>();
+    p.scale_v = scale_v->data_ptr<float>();
+    p.sq_bh = scale_q->stride(0);
+    p.sk_bh = scale_k->stride(0);
+    p.sv_bh = scale_v->stride(0);
   }
 
-  at::Tensor out = at::empty({bh, m, dv}, query_in.options().dtype(at::kHalf));
+  at::Tensor out = at::empty({bh / heads, m, heads, dv}, query_in.options().dtype(at::kHalf));
   if (bh == 0 || vrows == 0) return out;
   if (n == 0) return out.zero_();
   const at::Tensor query = aligned16(query_in), key = aligned16(key_in), value = aligned16(value_in);
 
-  Params p;
   p.row_ptr = row_ptr.data_ptr<int>();
   p.col_idx = col_idx.data_ptr<int>();
   p.row_order = row_order.data_ptr<int>();
   p.q = static_cast<const uint8_t*>(query.data_ptr());
   p.k = static_cast<const uint8_t*>(key.data_ptr());
   p.val = static_cast<const uint8_t*>(value.data_ptr());
-  p.scale_q = op == kHalf ? nullptr : scale_q->data_ptr<float>();
-  p.scale_k = op == kHalf ? nullptr : scale_k->data_ptr<float>();
-  p.scale_v = op == kHalf ? nullptr : scale_v->data_ptr<float>();
   p.out = reinterpret_cast<__half*>(out.data_ptr());
+  p.heads = static_cast<int>(heads);
   p.bh = static_cast<int>(bh);
   p.m = static_cast<int>(m);
   p.n = static_cast<int>(n);
@@ -242,7 +257,8 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
 TORCH_LIBRARY_FRAGMENT(magicube_cuda, m) {
   m.def(
       "sparse_attention(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor query, Tensor key, Tensor value, "
-      "Tensor? scale_q, Tensor? scale_k, Tensor? scale_v, int v, float softmax_scale, int qk_bits, int p_bits) "
+      "Tensor? scale_q, Tensor? scale_k, Tensor? scale_v, int v, float softmax_scale, int qk_bits, int p_bits, "
+      "int heads) "
       "-> Tensor");
 }
 

@@ -63,10 +63,18 @@ struct Params {
   const uint8_t* q;        // [BH, M, row bytes]
   const uint8_t* k;        // [BH, N, row bytes]
   const uint8_t* val;      // [BH, N, value row bytes]
-  const float* scale_q;    // [BH, M] (integer modes)
-  const float* scale_k;    // [BH, N]
-  const float* scale_v;    // [BH, DV]
-  __half* out;             // [BH, M, DV]
+  // Scales of the integer modes, fp32 [BH, M], [BH, N], [BH, DV] at any strides, so that a scale
+  // per batch x head expanded along its rows (stride 0) is read in place: element (bh, i) of
+  // scale_q lies bh * sq_bh elements plus i * sq_step bytes from scale_q (likewise k, v).
+  const float* scale_q;
+  const float* scale_k;
+  const float* scale_v;
+  int64_t sq_bh, sk_bh, sv_bh;
+  uint32_t sq_step, sk_step, sv_step;
+  // [BH / heads, M, heads, DV]: batch x head bh = b * heads + h writes rows of b, head slot h, the
+  // layout of [B, M, heads * DV] that the output projection reads.
+  __half* out;
+  int heads;
   int bh, m, n, v;
   int cached;              // blocks per warp whose scores stay in shared memory
   float softmax_scale;
@@ -217,6 +225,12 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 
+// Element i of an fp32 vector whose elements lie `step` bytes apart. The host keeps every i * step
+// below 2^32: a 32-bit product (a 64-bit one costs the split-row kernels up to 5 registers).
+__device__ __forceinline__ const float* strided(const float* base, uint32_t i, uint32_t step) {
+  return reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(base) + i * step);
+}
+
 template <int OP, int PB, int D, int DV, bool SPLIT>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   using C = Cfg<OP, PB, D, DV>;
@@ -253,7 +267,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     for (int i = 0; i < NW; ++i) raw[i] = 0;
     if (row_live && warp_live) {
       ldg_words<C::kLaneBytes>(raw, p.q + (qrow0 + g) * C::kKeyBytes + t * C::kLaneBytes);
-      if constexpr (!C::kFp16) sq = p.scale_q[qrow0 + g];
+      if constexpr (!C::kFp16) sq = *strided(p.scale_q + bh * p.sq_bh, vrow * v + g, p.sq_step);
     }
     qw.set(raw);
   }
@@ -293,7 +307,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     row_dst[k] = pinned(C::tile_offset(CPR == 1 ? lane : 16 * k + (lane >> 1), lane_chunk * 16));
   const uint8_t* const key_base = pinned(p.k + bh * p.n * RB + lane_chunk * 16);
   const uint8_t* const val_base = pinned(p.val + bh * p.n * RB + lane_chunk * 16);
-  const float* const sk_base = pinned(p.scale_k + bh * p.n);
+  const float* const sk_base = pinned(p.scale_k + bh * p.sk_bh);
   const int* const warp_cols = p.col_idx + start + (SPLIT ? warp : 0) * kSlots + lane;  // + j * kBlockStride * kSlots
   const uint32_t n_cols = static_cast<uint32_t>(p.n);
   const uint32_t ring = smem_addr(smem) + warp * C::kStages * C::kTileBytes;
@@ -326,7 +340,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     // Slot metadata for the scores: the key scales and the mask of live slots.
     const bool live = static_cast<uint32_t>(col_l) < n_cols;
     const uint32_t live_mask = __ballot_sync(0xffffffffu, live);
-    if constexpr (!C::kFp16) cp_async4(dst + C::kMetaOffset + lane * 4, sk_base + (live ? col_l : 0), live ? 4 : 0);
+    if constexpr (!C::kFp16) {
+      cp_async4(dst + C::kMetaOffset + lane * 4, strided(sk_base, live ? col_l : 0u, p.sk_step), live ? 4 : 0);
+    }
     if (lane == 0) asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dst + C::kMetaOffset + kSlots * 4), "r"(live_mask));
     const int next = j + 1 < nbw ? j + 1 : (phase != 3 && nu > 0 ? p.cached : -1);
     if (next >= p.cached) pf_col = warp_cols[next * kBlockStride * kSlots];
@@ -674,6 +690,14 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     }
     return w >> C::kShift;
   };
+  // Output rows of this vector row: [BH / heads, M, heads, DV] at (bh / heads, vrow * V, bh % heads),
+  // rows `ld` elements apart.
+  const int ld = p.heads * DV;
+  auto out_rows = [&]() {
+    const uint32_t heads = p.heads, b = static_cast<uint32_t>(bh) / heads, h = static_cast<uint32_t>(bh) - b * heads;
+    return p.out + (static_cast<int64_t>(b) * p.m + static_cast<int64_t>(vrow) * v) * ld + h * DV;
+  };
+  const float* const sv_base = p.scale_v + bh * p.sv_bh;
 
   if constexpr (!SPLIT) {
     // The warp owns the whole row: round its accumulators straight to the output. The row sums
@@ -687,7 +711,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
         rs[x] = count == 0 ? 0.f : 1.f / (s * kQmax);
       }
     }
-    __half* out = p.out + qrow0 * DV;
+    __half* out = out_rows();
 #pragma unroll
     for (int mt = 0; mt < C::kMT; ++mt)
 #pragma unroll
@@ -696,9 +720,10 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
         if (r >= v) continue;
         const int dv = dv_of(mt, g + 8 * (e >> 1));
         if constexpr (C::kFp16) {
-          out[r * DV + dv] = __float2half_rn(acc[0][mt][e]);
+          out[r * ld + dv] = __float2half_rn(acc[0][mt][e]);
         } else {
-          out[r * DV + dv] = __float2half_rn(__ll2float_rn(total(mt, e)) * (rs[e & 1] * p.scale_v[bh * DV + dv]));
+          const float sv = *strided(sv_base, dv, p.sv_step);
+          out[r * ld + dv] = __float2half_rn(__ll2float_rn(total(mt, e)) * (rs[e & 1] * sv));
         }
       }
     return;
@@ -730,29 +755,30 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   const int c0 = (2 * threadIdx.x) % DV;
   float sv[2] = {0.f, 0.f};
   if constexpr (!C::kFp16) {
-    sv[0] = p.scale_v[bh * DV + c0];
-    sv[1] = p.scale_v[bh * DV + c0 + 1];
+    sv[0] = *strided(sv_base, c0, p.sv_step);
+    sv[1] = *strided(sv_base, c0 + 1, p.sv_step);
   }
   __syncthreads();
 
-  __half2* out = reinterpret_cast<__half2*>(p.out + qrow0 * DV);
+  __half* const out = out_rows() + c0;
   for (int idx = 2 * threadIdx.x; idx < v * DV; idx += 2 * kThreads) {
     const int r = idx / DV;
+    __half2* const o = reinterpret_cast<__half2*>(out + r * ld);
     RedT tot[2] = {red[idx], red[idx + 1]};
 #pragma unroll
     for (int w = 1; w < kWarps; ++w)
 #pragma unroll
       for (int x = 0; x < 2; ++x) tot[x] += red[w * 8 * DV + idx + x];
     if constexpr (C::kFp16) {
-      out[idx / 2] = __floats2half2_rn(tot[0], tot[1]);
+      *o = __floats2half2_rn(tot[0], tot[1]);
     } else {
       constexpr float kQmax = static_cast<float>((1 << PB) - 1);
       float s = 0.f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) s += red_sum[w][r];
       const float rs = count == 0 ? 0.f : 1.f / (s * kQmax);
-      out[idx / 2] = __halves2half2(__float2half_rn(__ll2float_rn(tot[0]) * (rs * sv[0])),
-                                    __float2half_rn(__ll2float_rn(tot[1]) * (rs * sv[1])));
+      *o = __halves2half2(__float2half_rn(__ll2float_rn(tot[0]) * (rs * sv[0])),
+                          __float2half_rn(__ll2float_rn(tot[1]) * (rs * sv[1])));
     }
   }
 }

@@ -9,7 +9,8 @@ with a vector-sparse mask (V = 8, every vector row keeps the same count). Rows, 
   additive -inf mask of the same sparsity (the dense way to run the sparse model);
 - the three-op pipeline magicube sddmm -> sparse_softmax -> spmm, in fp16 and 8b-8b / 16b-8b / 8b-4b
   (probability bits - Q/K/V bits);
-- the fused op (one kernel), same precisions.
+- the fused op (one kernel), same precisions, writing [B, L, H, d] (the layout an output projection
+  reads; the dense and pipeline rows return [B*H, L, d]).
 
 Quantized rows include quantizing Q, K and V from fp16 (absmax scales per row of Q and K and per
 column of V), which is also timed on its own. Every output is first compared with an fp32
@@ -57,6 +58,8 @@ def quantize_qkv(q, k, v, bits):
 
 
 def rel_err(out, ref):
+    if out.dim() == 4:  # the fused op's [B, L, H, D], as an attention layer takes it
+        out = out.transpose(1, 2).flatten(0, 1)
     out = out[:ref.shape[0]].float()
     return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
 
@@ -122,7 +125,7 @@ def run_config(b, h, seq, sparsity, reps, pipeline, log):
 
     if pipeline:
         add("pipeline fp16", pipeline_fp16, ref_sparse)
-    add("fused fp16", lambda: ops.sparse_attention(*pattern, q, k, v, None, None, None, V, scale, 16, 0), ref_sparse)
+    add("fused fp16", lambda: ops.sparse_attention(*pattern, q, k, v, None, None, None, V, scale, 16, 0, h), ref_sparse)
 
     for p_bits, qk_bits in QUANT:
         quant_ms = cuda_time(lambda: quantize_qkv(q, k, v, qk_bits), warmup=3, reps=max(10, reps // 2))["median_ms"]
@@ -140,7 +143,7 @@ def run_config(b, h, seq, sparsity, reps, pipeline, log):
         if pipeline:
             add(f"pipeline {label}", three_ops, ref_sparse, quant_ms)
         add(f"fused {label}", lambda qq=qq, kq=kq, vq=vq, sq=sq, sk=sk, sv=sv, p_bits=p_bits, qk_bits=qk_bits:
-            ops.sparse_attention(*pattern, qq, kq, vq, sq, sk, sv, V, scale, qk_bits, p_bits), ref_sparse, quant_ms)
+            ops.sparse_attention(*pattern, qq, kq, vq, sq, sk, sv, V, scale, qk_bits, p_bits, h), ref_sparse, quant_ms)
         del qq, kq, vq, sq, sk, sv
     flash = next(r["total_ms"] for r in records if r["method"] == "SDPA flash fp16")
     for r in records:

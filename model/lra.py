@@ -150,7 +150,7 @@ class Attention(nn.Module):
             raise RuntimeError(f"attention {backend!r} (sparse_impl {impl!r}) runs through the magicube ops, "
                                "which have no backward; train with 'dense' or 'sparse' and evaluate with it")
         else:
-            y = self.sparse_ops(qkv).to(x.dtype)
+            return self.drop(self.proj(self.sparse_ops(qkv).to(x.dtype)))
         return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, E)))
 
     def masked(self, q, k, v, p_drop: float) -> torch.Tensor:
@@ -177,27 +177,28 @@ class Attention(nn.Module):
                                    scales=self.scales())
 
     def sparse_ops(self, qkv) -> torch.Tensor:
-        """Attention through the ops; qkv: Q, K, V as [3, B, H, T, d] (any strides)."""
+        """Attention through the ops; qkv: Q, K, V as [3, B, H, T, d] (any strides). Returns fp16
+        [B, T, H * d], the layout of the output projection: the fused op writes it directly, the
+        three-op pipeline's [B * H, T, d] is transposed into it."""
         _, B, H, T, d = qkv.shape
         pat = self.pattern(qkv.device)
         if self.config.attention == "sparse":
-            q, k, v = (t.reshape(B * H, T, d) for t in qkv)
+            q, k, v = (t.reshape(B * H, T, d).half() for t in qkv)
             if self.config.fused:
-                y = ops.sparse_attention(pat, q.half(), k.half(), v.half(), softmax_scale=d ** -0.5)
-                return y.view(B, H, T, d)
-            s = ops.sddmm(pat, q.half(), k.half(), bits=16)
+                return ops.sparse_attention(pat, q, k, v, softmax_scale=d ** -0.5, heads=H).view(B, T, H * d)
+            s = ops.sddmm(pat, q, k, bits=16)
             p, _ = ops.sparse_softmax(pat, s, scale=d ** -0.5, out_bits=0)
-            y = ops.spmm(pat, p, v.half(), a_bits=16, b_bits=16)
+            y = ops.spmm(pat, p, v, a_bits=16, b_bits=16)
         else:
             p_bits, bits = QUANTIZED[self.config.attention]
             (qq, kq, vq), (sq, sk, sv) = self.quantize(qkv, bits)
             if self.config.fused:
                 return ops.sparse_attention(pat, qq, kq, vq, softmax_scale=d ** -0.5, qk_bits=bits, p_bits=p_bits,
-                                            scale_q=sq, scale_k=sk, scale_v=sv).view(B, H, T, d)
+                                            scale_q=sq, scale_k=sk, scale_v=sv, heads=H).view(B, T, H * d)
             s = ops.sddmm(pat, qq, kq, bits=bits, scale_a=sq, scale_b=sk)
             p, row_scale = ops.sparse_softmax(pat, s, scale=d ** -0.5, out_bits=p_bits)
             y = ops.spmm(pat, p, vq, a_bits=p_bits, a_signed=False, b_bits=bits, scale_a=row_scale, scale_b=sv)
-        return y.view(B, H, T, d)
+        return y.view(B, H, T, d).transpose(1, 2).reshape(B, T, H * d)
 
     def quantize(self, qkv: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Symmetric quantization of Q, K, V [3, B, H, T, d] per (batch x head), with the calibrated

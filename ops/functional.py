@@ -23,20 +23,23 @@ def _pattern(pattern: SRBCRS, device: torch.device) -> SRBCRS:
 
 
 def expand_scale(scale, bh: int, n: int, name: str, device) -> torch.Tensor:
-    """A per-tensor, per-(batch x head) or per-row scale as the contiguous fp32 [BH, n] the ops read."""
+    """A per-tensor, per-(batch x head) or per-row scale as an fp32 [BH, n] view (expanded, not
+    copied: the fused attention reads it in place; spmm and sddmm take it contiguous)."""
     s = torch.as_tensor(scale, dtype=torch.float32, device=device)
     if s.dim() == 1 and s.numel() in (1, bh):
         s = s[:, None]
     if s.dim() not in (0, 2) or (s.dim() == 2 and (s.shape[0] not in (1, bh) or s.shape[1] not in (1, n))):
         raise ValueError(f"{name}: expected a number, a 0-d tensor, [BH={bh}], [BH, 1] or [BH, {n}] scales, "
                          f"got shape {tuple(s.shape)}")
-    return s.expand(bh, n).contiguous()
+    return s.expand(bh, n)
 
 
 def _scales(scale_a, scale_b, bh, rows, cols, device):
+    """Contiguous [BH, rows] and [BH, cols] scales for spmm and sddmm."""
     if scale_a is None and scale_b is None:
         return None, None
-    return expand_scale(scale_a, bh, rows, "scale_a", device), expand_scale(scale_b, bh, cols, "scale_b", device)
+    return (expand_scale(scale_a, bh, rows, "scale_a", device).contiguous(),
+            expand_scale(scale_b, bh, cols, "scale_b", device).contiguous())
 
 
 def spmm(pattern: SRBCRS, a_values: torch.Tensor, b: torch.Tensor, *, a_bits: int = 16, b_bits: int = 16,
@@ -90,11 +93,14 @@ def sparse_softmax(pattern: SRBCRS, values: torch.Tensor, *, scale: float = 1.0,
 
 def sparse_attention(pattern: SRBCRS, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                      softmax_scale: float, qk_bits: int = 16, p_bits: int = 0, scale_q=None, scale_k=None,
-                     scale_v=None) -> torch.Tensor:
+                     scale_v=None, heads: int | None = None) -> torch.Tensor:
     """softmax(scale * Q K^T at the pattern) V in one op: the composition of sddmm, sparse_softmax
     and spmm with the same roundings (fp16 scores, probabilities of p_bits), so that a fused
     kernel and the three-op pipeline compute one function. query [BH, M, d], key [BH, N, d],
     value [BH, N, dv]; integer inputs in the containers of qk_bits (int4 packed along d / dv).
+
+    Returns [BH, M, dv], or with `heads` (BH = B * heads, bh = b * heads + h) [B, M, heads, dv]:
+    the heads side by side, as an output projection reads them (a view as [B, M, heads * dv]).
     """
     p = _pattern(pattern, query.device)
     if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
@@ -103,11 +109,13 @@ def sparse_attention(pattern: SRBCRS, query: torch.Tensor, key: torch.Tensor, va
     if key.shape[1] != p.k:
         raise ValueError(f"key: expected N = {p.k} rows (the pattern's columns), got shape {tuple(key.shape)}")
     bh = query.shape[0]
-    sq, sk = _scales(scale_q, scale_k, bh, p.m, p.k, query.device)
     dv = value.shape[2] * (2 if (qk_bits == 4 and value.dtype == torch.uint8) else 1)
-    sv = None if scale_v is None else expand_scale(scale_v, bh, dv, "scale_v", query.device)
-    return _ops.sparse_attention(p.row_ptr, p.col_idx, p.row_order, query.contiguous(), key.contiguous(),
-                                 value.contiguous(), sq, sk, sv, p.v, float(softmax_scale), qk_bits, p_bits)
+    sq, sk, sv = (None if s is None else expand_scale(s, bh, n, name, query.device)
+                  for s, n, name in ((scale_q, p.m, "scale_q"), (scale_k, p.k, "scale_k"), (scale_v, dv, "scale_v")))
+    out = _ops.sparse_attention(p.row_ptr, p.col_idx, p.row_order, query.contiguous(), key.contiguous(),
+                                value.contiguous(), sq, sk, sv, p.v, float(softmax_scale), qk_bits, p_bits,
+                                1 if heads is None else heads)
+    return out.view(bh, p.m, dv) if heads is None else out
 
 
 def quantize_to_container(x: torch.Tensor, scale, bits: int, signed: bool = True) -> torch.Tensor:

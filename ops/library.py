@@ -29,14 +29,16 @@ SCHEMAS = {
     "sparse_softmax": "sparse_softmax(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor values, "
                       "int v, float scale, int out_bits) -> (Tensor, Tensor)",
     # sddmm -> sparse_softmax -> spmm in one op, with the same intermediate roundings (fp16
-    # scores, quantized probabilities), so that a fused kernel computes the same function.
+    # scores, quantized probabilities), so that a fused kernel computes the same function. Scales
+    # of any strides (an expanded per-(batch x head) scale is read in place); the output is
+    # [BH / heads, M, heads, dv] with bh = b * heads + h, which views as [B, M, heads * dv].
     # x [..., cols] (up to 4 leading dims, any strides but a contiguous last dim, cols a
     # multiple of 8, 16-byte aligned rows) / scale [...] (one per row, any strides) -> the
     # contiguous container of `bits`, shaped like x
     "quantize": "quantize(Tensor x, Tensor scale, int bits, bool is_signed) -> Tensor",
     "sparse_attention": "sparse_attention(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor query, "
                         "Tensor key, Tensor value, Tensor? scale_q, Tensor? scale_k, Tensor? scale_v, int v, "
-                        "float softmax_scale, int qk_bits, int p_bits) -> Tensor",
+                        "float softmax_scale, int qk_bits, int p_bits, int heads) -> Tensor",
 }
 
 for _name, _schema in SCHEMAS.items():
@@ -78,7 +80,7 @@ def _check_pattern(row_ptr, col_idx, row_order, v, device):
         # the kernels index rows from the blocks: a block with no row would read before the operands
         raise ValueError(f"col_idx: a pattern with no rows (empty row_ptr) has no columns, got {col_idx.numel()} slots")
 
-def _check_scales(scale_a, scale_b, rows, cols, bh, device, quantized, out_dtype):
+def _check_scales(scale_a, scale_b, rows, cols, bh, device, quantized, out_dtype, contiguous=True):
     if not quantized:
         if scale_a is not None or scale_b is not None:
             raise ValueError("scale_a, scale_b: fp16 inputs take no scales; pass None")
@@ -90,9 +92,9 @@ def _check_scales(scale_a, scale_b, rows, cols, bh, device, quantized, out_dtype
     if out_dtype == torch.float16 and (scale_a is None or scale_b is None):
         raise ValueError("scale_a, scale_b: a float16 output of integer inputs needs both scales")
     if scale_a is not None:
-        _check_tensor("scale_a", scale_a, torch.float32, shape=(bh, rows), device=device)
+        _check_tensor("scale_a", scale_a, torch.float32, shape=(bh, rows), device=device, contiguous=contiguous)
     if scale_b is not None:
-        _check_tensor("scale_b", scale_b, torch.float32, shape=(bh, cols), device=device)
+        _check_tensor("scale_b", scale_b, torch.float32, shape=(bh, cols), device=device, contiguous=contiguous)
 
 def _check_values(name, t, bh, elements, bits, signed, device):
     """A value tensor of the SR-BCRS layout: [BH, nnz_pad*V] elements (int4 packed)."""
@@ -121,7 +123,7 @@ def check_spmm(row_ptr, col_idx, row_order, a_values, b, scale_a, scale_b, v, m,
     _check_scales(scale_a, scale_b, m, n, bh, device, quantized, out_dtype)
     return bh, m, n
 
-def check_sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, out_dtype):
+def check_sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, out_dtype, contiguous_scales=True):
     device = a.device if isinstance(a, torch.Tensor) else None
     _check_pattern(row_ptr, col_idx, row_order, v, device)
     _check_tensor("a", a, dim=3, device=device)
@@ -140,7 +142,7 @@ def check_sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, ou
         raise ValueError(f"a: expected {m} rows (M of the pattern), got {_describe(a)}")
     if b.shape[0] != bh or b.shape[2] != a.shape[2]:
         raise ValueError(f"b: expected shape ({bh}, N, {a.shape[2]}) to match a {tuple(a.shape)}, got {_describe(b)}")
-    _check_scales(scale_a, scale_b, m, b.shape[1], bh, device, quantized, out_dtype)
+    _check_scales(scale_a, scale_b, m, b.shape[1], bh, device, quantized, out_dtype, contiguous_scales)
     return bh, col_idx.numel() * v
 
 def check_sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits):
@@ -154,9 +156,10 @@ def check_sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits
     return values.shape[0], row_ptr.numel() // 2 * v
 
 def check_sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale_q, scale_k, scale_v, v,
-                           softmax_scale, qk_bits, p_bits):
+                           softmax_scale, qk_bits, p_bits, heads):
     quantized = isinstance(query, torch.Tensor) and query.dtype != torch.float16
-    check_sddmm(row_ptr, col_idx, row_order, query, key, scale_q, scale_k, v, qk_bits, torch.float16)
+    check_sddmm(row_ptr, col_idx, row_order, query, key, scale_q, scale_k, v, qk_bits, torch.float16,
+                contiguous_scales=False)
     if quantized and (p_bits, qk_bits) not in SPMM_PAIRS:
         raise ValueError(f"p_bits, qk_bits: the probabilities times value product must be one of the pairs "
                          f"{SPMM_PAIRS}, got ({p_bits}, {qk_bits})")
@@ -168,9 +171,11 @@ def check_sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale
         raise ValueError(f"value: expected shape ({bh}, {n}, d) to match key {tuple(key.shape)}, got {_describe(value)}")
     dv = value.shape[2] * (2 if quantized and qk_bits == 4 else 1)
     if quantized:
-        _check_tensor("scale_v", scale_v, torch.float32, shape=(bh, dv), device=query.device)
+        _check_tensor("scale_v", scale_v, torch.float32, shape=(bh, dv), device=query.device, contiguous=False)
     elif scale_v is not None:
         raise ValueError("scale_v: fp16 inputs take no scales; pass None")
+    if heads < 1 or bh % heads:
+        raise ValueError(f"heads: expected a positive divisor of BH = {bh} (the batch x heads of query), got {heads!r}")
     return bh, query.shape[1], dv
 
 
@@ -257,10 +262,10 @@ def _sparse_softmax_fake(row_ptr, col_idx, row_order, values, v, scale, out_bits
 
 @torch.library.register_fake(f"{NAMESPACE}::sparse_attention")
 def _sparse_attention_fake(row_ptr, col_idx, row_order, query, key, value, scale_q, scale_k, scale_v, v,
-                           softmax_scale, qk_bits, p_bits):
+                           softmax_scale, qk_bits, p_bits, heads):
     bh, m, dv = check_sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale_q, scale_k, scale_v,
-                                       v, softmax_scale, qk_bits, p_bits)
-    return query.new_empty((bh, m, dv), dtype=torch.float16)
+                                       v, softmax_scale, qk_bits, p_bits, heads)
+    return query.new_empty((bh // heads, m, heads, dv), dtype=torch.float16)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::quantize")

@@ -107,14 +107,17 @@ def sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits):
 
 
 def sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale_q, scale_k, scale_v, v, softmax_scale,
-                     qk_bits, p_bits):
+                     qk_bits, p_bits, heads):
     pattern = (row_ptr, col_idx, row_order)
     scores = sddmm(*pattern, query, key, scale_q, scale_k, v, qk_bits, torch.float16)
     probs, row_scale = sparse_softmax(*pattern, scores, v, softmax_scale, p_bits)
     m = row_ptr.numel() // 2 * v
     if p_bits == 0:
-        return spmm(*pattern, probs, value, None, None, v, m, 16, True, 16, torch.float16)
-    return spmm(*pattern, probs, value, row_scale, scale_v, v, m, p_bits, False, qk_bits, torch.float16)
+        out = spmm(*pattern, probs, value, None, None, v, m, 16, True, 16, torch.float16)
+    else:
+        out = spmm(*pattern, probs, value, row_scale, scale_v, v, m, p_bits, False, qk_bits, torch.float16)
+    bh, _, dv = out.shape
+    return out.view(bh // heads, heads, m, dv).transpose(1, 2).contiguous()
 
 
 def quantize(x, scale, bits, is_signed):

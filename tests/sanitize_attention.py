@@ -5,8 +5,9 @@
 
 Covers an empty row, a row longer than the kernel's score cache (its recompute path), rows split
 over 4 warps (N past a warp's exact int32 accumulation), V = 2 and 8, head dims 32 and 64,
-shuffled and plain patterns. Exits non-zero if a result is far from the reference (the GPU tests
-hold it to the exact bounds).
+shuffled and plain patterns, and the attention layer's call: the output as [B, M, heads, dv] with
+per-(batch x head) scales expanded along their rows (stride 0, read in place). Exits non-zero if a
+result is far from the reference (the GPU tests hold it to the exact bounds).
 """
 
 import sys
@@ -18,16 +19,24 @@ from magicube.ops import SRBCRS, VectorMask, absmax_scale, extension, quantize, 
 PAIRS = [(8, 8), (16, 8), (8, 4), (4, 4), (16, 16), (16, 4), (0, 16)]
 
 
-def inputs(bh, m, n, d, p_bits, qk_bits, g):
+def inputs(bh, m, n, d, p_bits, qk_bits, g, per_head):
+    """Q, K, V with per-row (Q, K) and per-column (V) scales, or one scale per batch x head as an
+    expanded [BH, rows] view on the GPU."""
     q, k, v = (torch.randn(bh, rows, d, generator=g) for rows in (m, n, n))
     if p_bits == 0:
         return q.half(), k.half(), v.half(), None, None, None
     out = []
-    for x, dim in ((q, -1), (k, -1), (v, 1)):
-        s = absmax_scale(x, qk_bits, dim=dim)
+    for x, dim, rows in ((q, -1, m), (k, -1, n), (v, 1, d)):
+        s = absmax_scale(x, qk_bits, dim=(1, 2) if per_head else dim)
         out.append(to_container(quantize(x, s, qk_bits), qk_bits))
-        out.append(s.squeeze(dim).contiguous())
+        out.append(s.view(bh, 1).expand(bh, rows) if per_head else s.squeeze(dim).contiguous())
     return out[0], out[2], out[4], out[1], out[3], out[5]
+
+
+def to_cuda(x):
+    if x is not None and x.dim() == 2 and x.stride(1) == 0:  # an expanded scale stays a view
+        return x[:, :1].cuda().expand_as(x)
+    return None if x is None else x.cuda()
 
 
 def main() -> int:
@@ -36,8 +45,11 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     # n = 1100: the full row has 35 blocks, most past the score cache. n = 22500 at 16 bits: past
     # one warp's exact int32 accumulation over a row, so the kernel splits rows over 4 warps.
-    for v, d, shuffle, n, pairs in ((2, 32, False, 1100, PAIRS), (8, 64, True, 1100, PAIRS),
-                                    (8, 64, False, 22_500, [(16, 16)])):
+    # heads > 1: per-(batch x head) scales, BH = 6 leaves the last whole-row CTA half empty.
+    for v, d, shuffle, n, pairs, bh, heads in ((2, 32, False, 1100, PAIRS, 2, 1), (8, 64, True, 1100, PAIRS, 2, 1),
+                                               (8, 64, False, 22_500, [(16, 16)], 2, 1),
+                                               (8, 64, True, 1100, PAIRS, 6, 3),
+                                               (8, 32, False, 22_500, [(16, 16)], 4, 2)):
         mask = torch.rand(4, n, generator=g) < 0.2
         mask[0] = False
         mask[2] = True
@@ -45,15 +57,15 @@ def main() -> int:
         p = SRBCRS.from_mask(vm, stride=32, shuffle=shuffle)
         cuda = p.to("cuda")
         for p_bits, qk_bits in pairs:
-            args = inputs(2, p.m, n, d, p_bits, qk_bits, g)
-            dev = [x.cuda() if x is not None else None for x in args]
+            args = inputs(bh, p.m, n, d, p_bits, qk_bits, g, per_head=heads > 1)
+            dev = [to_cuda(x) for x in args]
             got = torch.ops.magicube_cuda.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev, v,
-                                                           d**-0.5, qk_bits, p_bits).cpu()
+                                                           d**-0.5, qk_bits, p_bits, heads).cpu()
             want = torch.ops.magicube.sparse_attention(p.row_ptr, p.col_idx, p.row_order, *args, v, d**-0.5,
-                                                       qk_bits, p_bits)
+                                                       qk_bits, p_bits, heads)
             if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
                 bad += 1
-                print(f"MISMATCH v={v} d={d} p_bits={p_bits} qk_bits={qk_bits}: "
+                print(f"MISMATCH v={v} d={d} heads={heads} p_bits={p_bits} qk_bits={qk_bits}: "
                       f"max diff {float((got.float() - want.float()).abs().max()):.3g}")
     torch.cuda.synchronize()
     print("sanitize_attention:", "ok" if not bad else f"{bad} mismatches")

@@ -37,34 +37,50 @@ def kernels():
 
 
 def _quantized(x, bits, dim):
-    """x quantized with absmax scales over `dim` -> (container, scale without the reduced dim)."""
+    """x quantized with absmax scales over `dim` -> (container, scale without the reduced dim; [BH, 1]
+    when reducing over (1, 2))."""
     scale = absmax_scale(x, bits, dim=dim)
-    return to_container(quantize(x, scale, bits), bits), scale.squeeze(dim).contiguous()
+    kept = scale.squeeze(-1) if dim == (1, 2) else scale.squeeze(dim)
+    return to_container(quantize(x, scale, bits), bits), kept.contiguous()
 
 
-def make_inputs(bh, m, n, d, p_bits, qk_bits, g, spread=1.0):
-    """Q, K, V ~ N(0, 1) (K times `spread`), quantized with per-row (Q, K) and per-column (V) scales."""
+def make_inputs(bh, m, n, d, p_bits, qk_bits, g, spread=1.0, per_head=False):
+    """Q, K, V ~ N(0, 1) (K times `spread`), quantized with per-row (Q, K) and per-column (V) scales,
+    or with one scale per batch x head expanded over the rows (stride 0, as the layer passes them)."""
     q = torch.randn(bh, m, d, generator=g)
     k = torch.randn(bh, n, d, generator=g) * spread
     v = torch.randn(bh, n, d, generator=g)
     if p_bits == 0:
         return q.half(), k.half(), v.half(), None, None, None
+    if per_head:
+        (qc, sq), (kc, sk), (vc, sv) = (_quantized(x, qk_bits, (1, 2)) for x in (q, k, v))
+        return qc, kc, vc, sq.expand(bh, m), sk.expand(bh, n), sv.expand(bh, d)
     qc, sq = _quantized(q, qk_bits, -1)
     kc, sk = _quantized(k, qk_bits, -1)
     vc, sv = _quantized(v, qk_bits, 1)
     return qc, kc, vc, sq, sk, sv
 
 
-def run_both(kernels, p, inputs, v, softmax_scale, qk_bits, p_bits):
+def to_cuda(x):
+    """x on the GPU; an expanded scale stays an expanded view (a plain copy would be contiguous)."""
+    if x is not None and x.dim() == 2 and x.stride(1) == 0:
+        return x[:, :1].cuda().expand_as(x)
+    return None if x is None else x.cuda()
+
+
+def run_both(kernels, p, inputs, v, softmax_scale, qk_bits, p_bits, heads=1):
+    """The kernel and the reference, both [BH / heads, M, heads, dv], returned as [BH, M, dv]."""
     cuda = p.to("cuda")
-    dev = [x.cuda() if x is not None else None for x in inputs]
+    dev = [to_cuda(x) for x in inputs]
     poison_allocator(float("nan"), torch.float16)
     got = kernels.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev, v, softmax_scale, qk_bits,
-                                   p_bits)
+                                   p_bits, heads)
     torch.cuda.synchronize()
     want = torch.ops.magicube.sparse_attention(p.row_ptr, p.col_idx, p.row_order, *inputs, v, softmax_scale,
-                                               qk_bits, p_bits)
-    return got.cpu(), want
+                                               qk_bits, p_bits, heads)
+    bh, m, dv = inputs[0].shape[0], inputs[0].shape[1], want.shape[-1]
+    assert got.shape == want.shape == (bh // heads, m, heads, dv) and got.is_contiguous()
+    return tuple(y.transpose(1, 2).reshape(bh, m, dv) for y in (got.cpu(), want))
 
 
 def fp16_ulp(x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +94,7 @@ def check_quantized(p, emask, inputs, got, want, v, softmax_scale, qk_bits, p_bi
     assert got.dtype == torch.float16 and got.shape == want.shape, what
     assert not torch.isnan(got).any(), f"{what}: NaN in the output (an element was not written?)"
     pattern = (p.row_ptr, p.col_idx, p.row_order)
-    scores = torch.ops.magicube.sddmm(*pattern, q, k, sq, sk, v, qk_bits, torch.float16)
+    scores = torch.ops.magicube.sddmm(*pattern, q, k, sq.contiguous(), sk.contiguous(), v, qk_bits, torch.float16)
     _, row_scale = torch.ops.magicube.sparse_softmax(*pattern, scores, v, softmax_scale, p_bits)
     vabs = from_container(val, qk_bits).abs().double()  # [BH, N, d]
     per_row = emask.double() @ vabs  # sum over the row's kept keys of |value|
@@ -179,6 +195,31 @@ def test_negative_softmax_scale(kernels, p_bits, qk_bits):
         check_quantized(p, emask, inputs, got, want, v, scale, qk_bits, p_bits, "negative scale")
 
 
+@pytest.mark.parametrize("heads", [1, 2, 4])
+@pytest.mark.parametrize("p_bits, qk_bits", PAIRS, ids=PAIR_IDS)
+def test_heads_layout_and_expanded_scales(kernels, p_bits, qk_bits, heads):
+    """The output as [BH / heads, M, heads, dv] (the layer's [B, M, H * d]) with per-(batch x head)
+    scales read in place (stride 0 along the rows), whole rows (BH = 8: two CTAs of 4) and split rows:
+    against the reference, and bit for bit the kernel's [BH, M, dv] result with contiguous scales."""
+    cases = [(8, 6, 333, 0.6, 64)]  # (BH, M/V, N, sparsity, d)
+    if (p_bits, qk_bits) == (16, 16):
+        cases.append((4, 3, 22_500, 0.95, 32))  # past one warp's int32 accumulation: split rows
+    for i, (bh, rows, n, sparsity, d) in enumerate(cases):
+        v = 8
+        p, emask = problem(bh, rows, n, v, sparsity, seed=3 + i, shuffle=True)
+        g = torch.Generator().manual_seed(10 * heads + i)
+        inputs = make_inputs(bh, p.m, n, d, p_bits, qk_bits, g, per_head=True)
+        got, want = run_both(kernels, p, inputs, v, d**-0.5, qk_bits, p_bits, heads)
+        what = f"heads={heads}, BH={bh}, N={n}"
+        if p_bits == 0:
+            check_fp16(p, emask, inputs, got, want, d**-0.5, what)
+        else:
+            check_quantized(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, what)
+        contiguous = [x if x is None else x.contiguous() for x in inputs]
+        flat, _ = run_both(kernels, p, contiguous, v, d**-0.5, qk_bits, p_bits)
+        assert torch.equal(got, flat), f"{what}: the heads layout or the expanded scales changed the output"
+
+
 def test_long_row_uncached(kernels):
     """One row of 6000 keys (188 blocks, most past the score cache) next to short ones."""
     v, n, d = 8, 6000, 64
@@ -235,7 +276,7 @@ def test_current_stream_and_graph_capture(kernels):
     g = torch.Generator().manual_seed(2)
     inputs = [x.cuda() for x in make_inputs(2, p.m, 512, 64, 8, 8, g)]
     cuda = p.to("cuda")
-    args = (cuda.row_ptr, cuda.col_idx, cuda.row_order, *inputs, 8, 0.125, 8, 8)
+    args = (cuda.row_ptr, cuda.col_idx, cuda.row_order, *inputs, 8, 0.125, 8, 8, 1)
     want = kernels.sparse_attention(*args)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -258,15 +299,24 @@ def test_argument_checks(kernels):
     pat = (cuda.row_ptr, cuda.col_idx, cuda.row_order)
     with pytest.raises(RuntimeError, match="dv"):
         kernels.sparse_attention(*pat, q, k, val[..., :32].contiguous(), sq, sk, sv[:, :32].contiguous(), 8, 0.1, 8,
-                                 8)
+                                 8, 1)
     with pytest.raises(RuntimeError, match="head dim d"):
         kernels.sparse_attention(*pat, q[..., :48].contiguous(), k[..., :48].contiguous(), val, sq, sk, sv, 8, 0.1,
-                                 8, 8)
+                                 8, 8, 1)
     with pytest.raises(RuntimeError, match="p_bits"):
-        kernels.sparse_attention(*pat, q, k, val, sq, sk, sv, 8, 0.1, 8, 4)
+        kernels.sparse_attention(*pat, q, k, val, sq, sk, sv, 8, 0.1, 8, 4, 1)
     with pytest.raises(RuntimeError, match="scale_q"):
-        kernels.sparse_attention(*pat, q, k, val, None, sk, sv, 8, 0.1, 8, 8)
+        kernels.sparse_attention(*pat, q, k, val, None, sk, sv, 8, 0.1, 8, 8, 1)
     with pytest.raises(RuntimeError, match="contiguous"):
         kernels.sparse_attention(*pat, q, k.transpose(1, 2).contiguous().transpose(1, 2), val, sq, sk, sv, 8, 0.1,
-                                 8, 8)
-    assert math.isfinite(float(kernels.sparse_attention(*pat, q, k, val, sq, sk, sv, 8, 0.1, 8, 8).float().sum()))
+                                 8, 8, 1)
+    with pytest.raises(RuntimeError, match="heads must divide BH = 1, got 2"):
+        kernels.sparse_attention(*pat, q, k, val, sq, sk, sv, 8, 0.1, 8, 8, 2)
+    with pytest.raises(RuntimeError, match="scale_k must be a float32"):
+        kernels.sparse_attention(*pat, q, k, val, sq, sk.double(), sv, 8, 0.1, 8, 8, 1)
+    want = kernels.sparse_attention(*pat, q, k, val, sq, sk, sv, 8, 0.1, 8, 8, 1)
+    assert math.isfinite(float(want.float().sum()))
+    # scales at any strides: every other element of a wider tensor (NaN in between)
+    strided = [torch.stack((s, torch.full_like(s, float("nan"))), -1)[..., 0] for s in (sq, sk, sv)]
+    assert all(s.stride(1) == 2 for s in strided)
+    assert torch.equal(kernels.sparse_attention(*pat, q, k, val, *strided, 8, 0.1, 8, 8, 1), want)

@@ -59,19 +59,32 @@ def test_opcheck_softmax(out_bits):
     torch.library.opcheck(torch.ops.magicube.sparse_softmax.default, args)
 
 
+@pytest.mark.parametrize("heads, expanded", [(1, False), (2, True), (4, False)])
 @pytest.mark.parametrize("p_bits, qk_bits", [(0, 16), (8, 8), (8, 4)])
-def test_opcheck_sparse_attention(p_bits, qk_bits):
+def test_opcheck_sparse_attention(p_bits, qk_bits, heads, expanded):
     g = torch.Generator().manual_seed(4)
-    bh, length, d, v = 2, 24, 8, 4
+    bh, length, d, v = 4, 24, 8, 4
     p, _ = problem(bh, length // v, length, v, 0.5, 4)
     if p_bits == 0:
         q, k, val = (torch.randn(bh, length, d, generator=g).half() for _ in range(3))
         scales = (None, None, None)
     else:
         q, k, val = (to_container(random_ints((bh, length, d), qk_bits, True, g), qk_bits) for _ in range(3))
-        scales = (torch.rand(bh, length), torch.rand(bh, length), torch.rand(bh, d))
-    args = (p.row_ptr, p.col_idx, p.row_order, q, k, val, *scales, v, d ** -0.5, qk_bits, p_bits)
+        if expanded:  # one scale per batch x head, read in place
+            scales = tuple(torch.rand(bh, 1, generator=g).expand(bh, n) for n in (length, length, d))
+        else:
+            scales = (torch.rand(bh, length), torch.rand(bh, length), torch.rand(bh, d))
+    args = (p.row_ptr, p.col_idx, p.row_order, q, k, val, *scales, v, d ** -0.5, qk_bits, p_bits, heads)
     torch.library.opcheck(torch.ops.magicube.sparse_attention.default, args)
+
+
+def test_sparse_attention_rejects_heads_not_dividing_bh():
+    p, _ = problem(6, 2, 8, 4, 0.5, 0)
+    q = torch.zeros(6, 8, 8, dtype=torch.float16)
+    args = (p.row_ptr, p.col_idx, p.row_order, q, q, q, None, None, None, 4, 1.0, 16, 0)
+    for heads in (4, 0, -2):
+        with pytest.raises(ValueError, match=rf"heads: expected a positive divisor of BH = 6 .*got {heads}"):
+            torch.ops.magicube.sparse_attention(*args, heads)
 
 
 def test_torch_compile_traces_the_pipeline():

@@ -32,6 +32,12 @@ def projection(q, k, v):
     return torch.stack((q, k, v)).permute(1, 3, 0, 2, 4).contiguous().permute(2, 0, 3, 1, 4)
 
 
+def heads_first(y, heads):
+    """The ops' [B, T, H * d] (the output projection's input) as [B, H, T, d]."""
+    B, T, E = y.shape
+    return y.view(B, T, heads, E // heads).transpose(1, 2)
+
+
 @pytest.mark.parametrize("v", [2, 4, 8])
 @pytest.mark.parametrize("kind", ["random", "structured"])
 def test_masked_and_ops_paths_compute_the_same_function(v, kind):
@@ -42,7 +48,7 @@ def test_masked_and_ops_paths_compute_the_same_function(v, kind):
     q, k, val = qkv()
     ref = attention_reference(attn, q, k, val)
     masked = attn.masked(q, k, val, 0.0)
-    ops_out = attn.sparse_ops(projection(q, k, val)).float()
+    ops_out = heads_first(attn.sparse_ops(projection(q, k, val)), q.shape[1]).float()
     torch.testing.assert_close(masked.double(), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ops_out.double(), ref, atol=5e-3, rtol=5e-3)  # fp16 inputs and output
     rows = slice(v, 2 * v)
@@ -71,12 +77,13 @@ def test_quantized_backends_close_to_fp(backend, tol):
     q, k, v = qkv(seed=1)
     ref = attention_reference(attn, q, k, v).float()
     model.set_attention(backend)
-    out = attn.sparse_ops(projection(q, k, v)).float()
+    out = heads_first(attn.sparse_ops(projection(q, k, v)), q.shape[1]).float()
     rel = (out - ref).norm() / ref.norm()
     assert rel < tol, f"{backend}: relative error {rel:.4f}"
     if backend == "8b-4b":
         model.set_attention("8b-8b")
-        assert rel > (attn.sparse_ops(projection(q, k, v)).float() - ref).norm() / ref.norm()  # fewer bits, more error
+        out8 = heads_first(attn.sparse_ops(projection(q, k, v)), q.shape[1]).float()
+        assert rel > (out8 - ref).norm() / ref.norm()  # fewer bits, more error
 
 
 @pytest.mark.parametrize("backend", ["sparse", "16b-8b", "8b-8b", "8b-4b"])
@@ -91,7 +98,8 @@ def test_fused_op_matches_the_three_ops(backend):
 
 def per_head_copies(attn, q, k, v):
     """The quantized backend as it ran on contiguous [BH, T, d] copies of Q, K and V, each with
-    its own absmax (abs, then amax) or the calibrated scales repeated over batch x heads."""
+    its own absmax (abs, then amax) or the calibrated scales repeated over batch x heads, through
+    the three ops: [B, H, T, d]."""
     B, H, T, d = q.shape
     p_bits, bits = QUANTIZED[attn.config.attention]
     flat = [t.reshape(B * H, T, d).contiguous() for t in (q, k, v)]
@@ -128,7 +136,30 @@ def test_quantized_backends_quantize_the_projection_in_place(backend, scales, dt
     want = per_head_copies(attn, q, k, v)
     for fused in (False, True):
         model.config.fused = fused
-        assert torch.equal(attn.sparse_ops(projection(q, k, v)), want)
+        assert torch.equal(heads_first(attn.sparse_ops(projection(q, k, v)), q.shape[1]), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("backend", ["sparse", *QUANTIZED])
+def test_layer_output_is_the_transposed_three_op_result(backend, fused, dtype):
+    """The layer feeds the projection the ops' [B, T, H * d] (written in that layout by the fused op):
+    bit for bit the three ops' [B * H, T, d] transposed, as the layer computed it before."""
+    model = LRAClassifier(small_config(attention=backend, emb_dim=48, num_heads=3, fused=fused)).eval().to(dtype)
+    attn = model.blocks[0].attn
+    x = torch.randn(2, 64, 48, generator=torch.Generator().manual_seed(6)).to(dtype)
+    B, T, E = x.shape
+    with torch.no_grad():
+        q, k, v = attn.qkv(x).view(B, T, 3, 3, E // 3).permute(2, 0, 3, 1, 4)
+        if backend == "sparse":
+            pat, d = attn.pattern(x.device), E // 3
+            flat = [t.reshape(B * 3, T, d).half() for t in (q, k, v)]
+            probs, _ = ops.sparse_softmax(pat, ops.sddmm(pat, *flat[:2], bits=16), scale=d ** -0.5)
+            y = ops.spmm(pat, probs, flat[2], a_bits=16, b_bits=16).view(B, 3, T, d)
+        else:
+            y = per_head_copies(attn, q, k, v)
+        want = attn.proj(y.to(dtype).transpose(1, 2).reshape(B, T, E))
+        assert torch.equal(attn(x), want)
 
 
 def test_the_layer_quantizes_through_the_one_pass_op(monkeypatch):

@@ -172,6 +172,34 @@ def test_sparse_attention_is_the_three_op_pipeline(p_bits, qk_bits):
     assert bool((out[:, ~emask.any(-1)] == 0).all())  # rows with nothing kept are zero
 
 
+@pytest.mark.parametrize("p_bits, qk_bits", [(0, 16), (8, 8), (16, 8), (8, 4)])
+def test_sparse_attention_heads_layout(p_bits, qk_bits):
+    """heads=H gives [B, M, H, dv], the [BH, M, dv] result with the heads moved next to dv; one
+    scale per batch x head gives what its contiguous copy does."""
+    g = torch.Generator().manual_seed(7)
+    bh, length, d, v = 6, 24, 8, 4
+    p, _ = problem(bh, length // v, length, v, 0.6, 6)
+    if p_bits == 0:
+        q, k, val = (torch.randn(bh, length, d, generator=g).half() for _ in range(3))
+        per_head = copies = dict(scale_q=None, scale_k=None, scale_v=None)
+    else:
+        q, k, val = (to_container(random_ints((bh, length, d), qk_bits, True, g), qk_bits) for _ in range(3))
+        s = torch.rand(3, bh, generator=g) / 2 ** qk_bits
+        per_head = dict(scale_q=s[0], scale_k=s[1], scale_v=s[2])
+        copies = {name: x[:, None].expand(bh, n).contiguous() for (name, x), n in zip(per_head.items(),
+                                                                                      (length, length, d))}
+    args = dict(softmax_scale=d ** -0.5, qk_bits=qk_bits, p_bits=p_bits)
+    flat = sparse_attention(p, q, k, val, **args, **copies)
+    assert flat.shape == (bh, length, d)
+    assert torch.equal(sparse_attention(p, q, k, val, **args, **per_head), flat)
+    for heads in (1, 2, 3, 6):
+        out = sparse_attention(p, q, k, val, **args, **per_head, heads=heads)
+        assert out.shape == (bh // heads, length, heads, d) and out.is_contiguous()
+        assert torch.equal(out, flat.view(bh // heads, heads, length, d).transpose(1, 2))
+    with pytest.raises(ValueError, match=r"heads: expected a positive divisor of BH = 6 .*got 4"):
+        sparse_attention(p, q, k, val, **args, **per_head, heads=4)
+
+
 def test_sparse_attention_rejects_a_pair_the_spmm_lacks():
     p, _ = problem(1, 2, 8, 4, 0.5, 0)
     q = torch.zeros(1, 8, 4, dtype=torch.int8)
