@@ -116,7 +116,6 @@ def run_config(b, h, seq, sparsity, reps, pipeline, log):
     additive = torch.zeros(seq, seq, device=dev, dtype=torch.float16).masked_fill(~emask, float("-inf"))
     add("SDPA masked fp16", lambda: F.scaled_dot_product_attention(q4, k4, v4, attn_mask=additive).view(bh, seq, D),
         ref_sparse, kind="masked")
-    del additive
 
     def pipeline_fp16():
         sc = ops.sddmm(*pattern, q, k, None, None, V, 16, torch.float16)
