@@ -2,8 +2,8 @@
 
     python -m magicube.eval.bench_attention [--quick] [--out DIR]
 
-One attention layer's core, out = softmax(Q K^T / sqrt(d)) V, for Q, K, V of [B*H, L, 64] in fp16,
-with a vector-sparse mask (V = 8, every vector row keeps the same count). Rows, side by side:
+One attention layer's core, out = softmax(Q K^T / sqrt(d)) V, for Q, K, V of [B*H, L, 64] in fp16
+(views of one projection output [B, L, 3, H, 64], as the layer has them), with a vector-sparse mask (V = 8, every vector row keeps the same count). Rows, side by side:
 
 - dense: PyTorch materialized fp16 softmax(QK^T)V, SDPA (flash) fp16 on [B, H, L, d], SDPA with an
   additive -inf mask of the same sparsity (the dense way to run the sparse model);
@@ -12,8 +12,8 @@ with a vector-sparse mask (V = 8, every vector row keeps the same count). Rows, 
 - the fused op (one kernel), same precisions, writing [B, L, H, d] (the layout an output projection
   reads; the dense and pipeline rows return [B*H, L, d]).
 
-Quantized rows include quantizing Q, K and V from fp16 (absmax scales per row of Q and K and per
-column of V), which is also timed on its own. Every output is first compared with an fp32
+Quantized rows include quantizing Q, K and V from the projection output as the model's layer
+does (absmax scales per batch x head, model.lra.quantize_qkv), which is also timed on its own. Every output is first compared with an fp32
 reference on the first heads (dense softmax for the dense rows, the masked one for the sparse
 rows) and the relative error is printed beside the time. Medians of CUDA-event timings after
 warm-up. Writes attention_<device>.json and a plot of time per method.
@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from magicube.eval.timing import cuda_time, environment, save_json
-from magicube.ops import SRBCRS, absmax_scale, extension, quantize_to_container, random_vector_mask
+from magicube.model.lra import quantize_qkv
+from magicube.ops import SRBCRS, extension, random_vector_mask
 
 FULL = dict(b=[2, 8], h=[4, 8], seq=[4096, 8192], sparsity=[0.9, 0.95])
 QUICK = dict(b=[8], h=[4], seq=[4096], sparsity=[0.9, 0.95])
@@ -48,15 +49,6 @@ def _label(p_bits, qk_bits):
     return f"{p_bits}b-{qk_bits}b"
 
 
-def quantize_qkv(q, k, v, bits):
-    """Q, K per-row and V per-column absmax quantization into the op containers; no host sync."""
-    out = []
-    for x, dim in ((q, -1), (k, -1), (v, 1)):
-        s = absmax_scale(x, bits, dim=dim)
-        out += [quantize_to_container(x, s, bits), s.squeeze(dim).contiguous()]
-    return out[0], out[2], out[4], out[1], out[3], out[5]
-
-
 def rel_err(out, ref):
     if out.dim() == 4:  # the fused op's [B, L, H, D], as an attention layer takes it
         out = out.transpose(1, 2).flatten(0, 1)
@@ -69,7 +61,8 @@ def run_config(b, h, seq, sparsity, reps, pipeline, log):
     dev = "cuda"
     bh = b * h
     g = torch.Generator(device=dev).manual_seed(0)
-    q, k, v = (torch.randn(bh, seq, D, device=dev, generator=g, dtype=torch.float16) for _ in range(3))
+    qkv = torch.randn(b, seq, 3, h, D, device=dev, generator=g, dtype=torch.float16).permute(2, 0, 3, 1, 4)
+    q, k, v = (x.reshape(bh, seq, D) for x in qkv)  # contiguous copies for the fp16 rows
     scale = D ** -0.5
     mask = random_vector_mask(seq, seq, V, sparsity, seed=1)
     pat = SRBCRS.from_mask(mask, stride=32).to(dev)
@@ -127,14 +120,17 @@ def run_config(b, h, seq, sparsity, reps, pipeline, log):
     add("fused fp16", lambda: ops.sparse_attention(*pattern, q, k, v, None, None, None, V, scale, 16, 0, h), ref_sparse)
 
     for p_bits, qk_bits in QUANT:
-        quant_ms = cuda_time(lambda: quantize_qkv(q, k, v, qk_bits), warmup=3, reps=max(10, reps // 2))["median_ms"]
-        qq, kq, vq, sq, sk, sv = quantize_qkv(q, k, v, qk_bits)
+        quant_ms = cuda_time(lambda: quantize_qkv(qkv, qk_bits), warmup=3, reps=max(10, reps // 2))["median_ms"]
+        (qq, kq, vq), scales = quantize_qkv(qkv, qk_bits)
+        # per batch x head, read in place by the fused op; the pipeline's kernels take them contiguous
+        sq, sk, sv = (s[:, None].expand(bh, n) for s, n in zip(scales, (seq, seq, D)))
         label = _label(p_bits, qk_bits)
         log(f"  {'quantize Q,K,V ' + str(qk_bits) + 'b':24s} {quant_ms * 1e3:9.1f} us")
         records.append(dict(base, method=f"quantize {qk_bits}b", kind="quant", ms=quant_ms, quant_ms=0.0,
                             total_ms=quant_ms, rel_err=None))
 
-        def three_ops(qq=qq, kq=kq, vq=vq, sq=sq, sk=sk, sv=sv, p_bits=p_bits, qk_bits=qk_bits):
+        def three_ops(qq=qq, kq=kq, vq=vq, sq=sq.contiguous(), sk=sk.contiguous(), sv=sv.contiguous(),
+                      p_bits=p_bits, qk_bits=qk_bits):
             sc = ops.sddmm(*pattern, qq, kq, sq, sk, V, qk_bits, torch.float16)
             pr, rs = ops.sparse_softmax(*pattern, sc, V, scale, p_bits)
             return ops.spmm(*pattern, pr, vq, rs, sv, V, seq, p_bits, False, qk_bits, torch.float16)
@@ -143,7 +139,7 @@ def run_config(b, h, seq, sparsity, reps, pipeline, log):
             add(f"pipeline {label}", three_ops, ref_sparse, quant_ms)
         add(f"fused {label}", lambda qq=qq, kq=kq, vq=vq, sq=sq, sk=sk, sv=sv, p_bits=p_bits, qk_bits=qk_bits:
             ops.sparse_attention(*pattern, qq, kq, vq, sq, sk, sv, V, scale, qk_bits, p_bits, h), ref_sparse, quant_ms)
-        del qq, kq, vq, sq, sk, sv
+        del qq, kq, vq, sq, sk, sv, scales
     flash = next(r["total_ms"] for r in records if r["method"] == "SDPA flash fp16")
     for r in records:
         r["speedup_vs_flash"] = flash / r["total_ms"]

@@ -201,27 +201,33 @@ class Attention(nn.Module):
         return y.view(B, H, T, d).transpose(1, 2).reshape(B, T, H * d)
 
     def quantize(self, qkv: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Symmetric quantization of Q, K, V [3, B, H, T, d] per (batch x head), with the calibrated
-        scales or else the absmax: (containers [3, BH, T, d'], fp32 scales [3, BH]).
-
-        Each of the two steps reads the strided projection output in place, one pass over it.
-        """
-        _, B, H, T, _ = qkv.shape
+        """quantize_qkv with the calibrated scales, or else the absmax."""
+        _, B, H, _, _ = qkv.shape
         scales = self.scales()
-        if scales is None:
-            scale = self.absmax_scale(qkv, bits)
-        else:
-            scale = fakequant.positive(scales.detach()).view(3, 1, -1, 1, 1).expand(3, B, H, 1, 1)
-        return ops.quantize_to_container(qkv, scale, bits).view(3, B * H, T, -1), scale.reshape(3, B * H)
+        if scales is not None:
+            scales = fakequant.positive(scales.detach()).view(3, 1, -1, 1, 1).expand(3, B, H, 1, 1)
+        return quantize_qkv(qkv, bits, scales)
 
-    @staticmethod
-    def absmax_scale(qkv: torch.Tensor, bits: int) -> torch.Tensor:
-        """ops.absmax_scale(qkv, bits, dim=(3, 4)), [3, B, H, 1, 1], reduced in the memory order of the
-        projection output [B, T, 3, H, d]: min and max over T in one streaming pass, then the small
-        rest (34 us at B=8, L=4096, E=256 on an H200; reducing the permuted view itself took 56)."""
-        lo, hi = torch.aminmax(qkv.permute(1, 3, 0, 2, 4), dim=1)  # [B, 3, H, d]
-        absmax = torch.maximum(hi, -lo).amax(dim=-1)  # exact in any float dtype; NaN propagates
-        return ops.scale_of_absmax(absmax.transpose(0, 1)[..., None, None], bits)
+
+def quantize_qkv(qkv: torch.Tensor, bits: int, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric quantization of Q, K, V [3, B, H, T, d] per (batch x head) with `scale`
+    [3, B, H, 1, 1], or else the absmax: (containers [3, BH, T, d'], fp32 scales [3, BH]).
+
+    Each of the two steps reads the strided projection output in place, one pass over it.
+    """
+    _, B, H, T, _ = qkv.shape
+    if scale is None:
+        scale = qkv_absmax_scale(qkv, bits)
+    return ops.quantize_to_container(qkv, scale, bits).view(3, B * H, T, -1), scale.reshape(3, B * H)
+
+
+def qkv_absmax_scale(qkv: torch.Tensor, bits: int) -> torch.Tensor:
+    """ops.absmax_scale(qkv, bits, dim=(3, 4)), [3, B, H, 1, 1], reduced in the memory order of the
+    projection output [B, T, 3, H, d]: min and max over T in one streaming pass, then the small
+    rest (34 us at B=8, L=4096, E=256 on an H200; reducing the permuted view itself took 56)."""
+    lo, hi = torch.aminmax(qkv.permute(1, 3, 0, 2, 4), dim=1)  # [B, 3, H, d]
+    absmax = torch.maximum(hi, -lo).amax(dim=-1)  # exact in any float dtype; NaN propagates
+    return ops.scale_of_absmax(absmax.transpose(0, 1)[..., None, None], bits)
 
 
 class Block(nn.Module):

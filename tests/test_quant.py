@@ -131,14 +131,14 @@ def projection_view(shape, dtype, generator):
 def test_the_layer_absmax_of_the_projection_is_absmax_scale(dtype):
     """The attention layer's min/max reduction in memory order gives absmax_scale's scales per
     (batch x head), bit for bit: an all-zero head (scale 1) and a NaN (scale 1 too) included."""
-    from magicube.model.lra import Attention
+    from magicube.model.lra import qkv_absmax_scale
 
     g = torch.Generator().manual_seed(5)
     x = projection_view((2, 3, 40, 16), dtype, g)
     x[1, 0, 2] = 0
     x[2, 1, 0, 7, 3] = float("nan")
     for bits in (8, 4):
-        got = Attention.absmax_scale(x, bits)
+        got = qkv_absmax_scale(x, bits)
         assert got.shape == (3, 2, 3, 1, 1) and torch.equal(got, absmax_scale(x, bits, dim=(3, 4)))
         assert got[1, 0, 2].item() == 1.0 and got[2, 1, 0].item() == 1.0  # NaN > 0 is False
         assert got[0, 0, 0].item() == (x[0, 0, 0].abs().max().float() / qrange(bits)[1]).item()
