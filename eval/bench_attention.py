@@ -13,10 +13,12 @@ One attention layer's core, out = softmax(Q K^T / sqrt(d)) V, for Q, K, V of [B*
   reads; the dense and pipeline rows return [B*H, L, d]).
 
 Quantized rows include quantizing Q, K and V from the projection output as the model's layer
-does (absmax scales per batch x head, model.lra.quantize_qkv), which is also timed on its own. Every output is first compared with an fp32
-reference on the first heads (dense softmax for the dense rows, the masked one for the sparse
-rows) and the relative error is printed beside the time. Medians of CUDA-event timings after
-warm-up. Writes attention_<device>.json and a plot of time per method.
+does (absmax scales per batch x head, model.lra.quantize_qkv), which is also timed on its own.
+Every output is first compared with an fp32 reference on the first heads (dense softmax for the
+dense rows, the masked one for the sparse rows) and the relative error is printed beside the
+time. Medians of CUDA-event timings of CUDA-graph replays after warm-up (no Python launch
+overhead, as in `magicube bench --cuda-graph`). Writes attention_<device>.json and a plot of
+time per method.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def run_config(b, h, seq, sparsity, reps, pipeline, log):
 
     def add(method, fn, ref, quant_ms=0.0, kind="sparse"):
         err = rel_err(fn(), ref)
-        ms = cuda_time(fn, warmup=max(5, reps // 5), reps=reps)["median_ms"]
+        ms = cuda_time(fn, warmup=max(5, reps // 5), reps=reps, graph=True)["median_ms"]
         rec = dict(base, method=method, kind=kind, ms=ms, quant_ms=quant_ms, total_ms=ms + quant_ms, rel_err=err)
         records.append(rec)
         extra = f" (+ quantization {quant_ms * 1e3:.1f} us = {rec['total_ms'] * 1e3:.1f} us)" if quant_ms else ""
@@ -98,7 +100,7 @@ def run_config(b, h, seq, sparsity, reps, pipeline, log):
 
     if bh * seq * seq * 2 * 3 < torch.cuda.mem_get_info()[0]:
         err = rel_err(materialized(), ref_dense)
-        ms = cuda_time(materialized, warmup=2, reps=mat_reps)["median_ms"]
+        ms = cuda_time(materialized, warmup=2, reps=mat_reps, graph=True)["median_ms"]
         records.append(dict(base, method="materialized fp16", kind="dense", ms=ms, quant_ms=0.0, total_ms=ms,
                             rel_err=err))
         log(f"  {'materialized fp16':24s} {ms * 1e3:9.1f} us   rel. error {err:.2e}")
@@ -120,7 +122,7 @@ def run_config(b, h, seq, sparsity, reps, pipeline, log):
     add("fused fp16", lambda: ops.sparse_attention(*pattern, q, k, v, None, None, None, V, scale, 16, 0, h), ref_sparse)
 
     for p_bits, qk_bits in QUANT:
-        quant_ms = cuda_time(lambda: quantize_qkv(qkv, qk_bits), warmup=3, reps=max(10, reps // 2))["median_ms"]
+        quant_ms = cuda_time(lambda: quantize_qkv(qkv, qk_bits), warmup=3, reps=max(10, reps // 2), graph=True)["median_ms"]
         (qq, kq, vq), scales = quantize_qkv(qkv, qk_bits)
         # per batch x head, read in place by the fused op; the pipeline's kernels take them contiguous
         sq, sk, sv = (s[:, None].expand(bh, n) for s, n in zip(scales, (seq, seq, D)))
