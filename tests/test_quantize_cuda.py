@@ -85,7 +85,7 @@ def test_the_layer_absmax_on_the_gpu_is_the_reference(dtype):
 
 @pytest.mark.parametrize("precision", ["8b-8b", "8b-4b"])
 def test_the_layer_quantizes_like_the_reference(kernels, precision):
-    """Attention.quantize on the GPU (inf-norm, the strided kernel) == on the CPU (the reference)."""
+    """Attention.quantize on the GPU (min/max scales, the strided kernel) == on the CPU (the reference)."""
     from magicube.model.lra import QUANTIZED, LRAClassifier, LRAConfig
 
     config = LRAConfig(max_len=512, emb_dim=256, num_heads=4, num_layers=1, attention=precision)
