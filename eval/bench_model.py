@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from magicube.eval.timing import cpu_time, cuda_time, environment, save_json
-from magicube.model.lra import LRAClassifier, LRAConfig
+from magicube.model.lra import QUANTIZED, LRAClassifier, LRAConfig
+from magicube.train.finetune import calibrate, set_calibrated_scales
 
 SPARSE = ("sparse", "16b-8b", "8b-8b", "8b-4b")
 # "<backend>" runs the paper's three kernels (sddmm, softmax, spmm); "<backend>-fused" the one
@@ -34,13 +35,40 @@ TOLERANCE = {"materialized": 1e-2, "dense": 1e-2, "sparse": 1e-2, "16b-8b": 5e-2
 TOLERANCE.update({f"{b}-fused": TOLERANCE[b] for b in SPARSE})
 
 
-def build(backend: str, length: int, heads: int, sparsity: float, v: int, device, dtype) -> LRAClassifier:
-    """The paper's LRA model (4 layers, head dim 64, MLP 1024) with one backend, in eval mode."""
+def build(backend: str, length: int, heads: int, sparsity: float, v: int, device, dtype,
+          scales: str = "absmax") -> LRAClassifier:
+    """The paper's LRA model (4 layers, head dim 64, MLP 1024) with one backend, in eval mode.
+
+    scales="calibrated": a quantized backend holds fixed per-head Q/K/V scales, as a finetuned
+    model does (see build_inputs); "absmax" computes them per batch x head on every forward.
+    """
+    attention = backend.removesuffix("-fused")
+    quant = (dict(quant_precision=attention, quant_scales="fixed")
+             if scales == "calibrated" and attention in QUANTIZED else {})
     config = LRAConfig(max_len=length, emb_dim=64 * heads, num_heads=heads, num_layers=4, mlp_dim=1024,
-                       attention=backend.removesuffix("-fused"), fused=backend.endswith("-fused"),
-                       sparsity=sparsity, v=v, dropout=0.0, attention_dropout=0.0)
+                       attention=attention, fused=backend.endswith("-fused"), sparsity=sparsity, v=v,
+                       dropout=0.0, attention_dropout=0.0, **quant)
     torch.manual_seed(0)  # same weights and masks for every backend
     return LRAClassifier(config).to(device=device, dtype=dtype).eval()
+
+
+def build_inputs(model: LRAClassifier, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids, and the input block 0's attention sees for them (the layer's timing input).
+
+    A model with fixed scales is calibrated on these ids first (absmax per head through its
+    float function), so that its scales fit the data the timing runs on.
+    """
+    device = next(model.parameters()).device
+    ids = torch.randint(1, 257, (batch, model.config.input_len), generator=torch.Generator().manual_seed(0))
+    if model.config.calibrated:
+        set_calibrated_scales(model, calibrate(model, ids, batch, 1, 0, "sparse", device))
+    seen = []
+    hook = model.blocks[0].attn.register_forward_hook(lambda module, args, out: seen.append(args[0]))
+    try:
+        model(ids.to(device))
+    finally:
+        hook.remove()
+    return ids.to(device), seen[0]
 
 
 def reference_for(model: LRAClassifier) -> LRAClassifier:
@@ -84,11 +112,10 @@ def measure(fn, on_gpu: bool, reps: int, cuda_graph: bool) -> dict:
 
 @torch.inference_mode()
 def run_case(backend, batch, length, heads, sparsity, v, args, device, dtype) -> dict:
-    model = build(backend, length, heads, sparsity, v, device, dtype)
+    model = build(backend, length, heads, sparsity, v, device, dtype, getattr(args, "scales", "absmax"))
+    ids, x_in = build_inputs(model, batch)
     ref = reference_for(model)
-    ids = torch.randint(1, 257, (batch, model.config.input_len), device=device)
-    x = torch.randn(batch, length, model.config.emb_dim, device=device)
-    x_in = x.to(dtype)  # the layer's input as the model hands it over: no cast inside the timing
+    x = x_in.float()
     layer, ref_layer = model.blocks[0].attn, ref.blocks[0].attn
     if getattr(args, "compile", False):
         # Every backend alike: inductor fuses the LayerNorms, GELU and residual adds around the
@@ -148,6 +175,9 @@ def main(argv=None) -> int:
     parser.add_argument("--v", type=int, default=8)
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--cuda-graph", action="store_true", help="time replays of a captured CUDA graph")
+    parser.add_argument("--scales", choices=("absmax", "calibrated"), default="absmax",
+                        help="Q/K/V scales of the quantized backends: per batch x head on every forward, or "
+                             "fixed per head after calibration, as the finetuned models run")
     parser.add_argument("--quick", action="store_true", help="only B=8, L=4096, H=4, sparsity 0.9")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model and the layer (every backend)")
     parser.add_argument("--profile", action="store_true",
@@ -166,7 +196,7 @@ def main(argv=None) -> int:
         args.batch, args.length, args.heads, args.sparsity = [2], [256], [2], [0.9]
     rows = []
     payload = dict(environment=environment(device), cuda_graph=args.cuda_graph, compile=args.compile, dtype=str(dtype),
-                   rows=rows)
+                   scales=args.scales, rows=rows)
     print(f"{'backend':>12} {'B':>2} {'L':>5} {'H':>2} {'sp':>4} | {'model ms':>9} {'err':>8} | "
           f"{'layer ms':>9} {'err':>8} | {'peak MB':>8}")
     for batch, length, heads, sparsity in itertools.product(args.batch, args.length, args.heads, args.sparsity):

@@ -31,3 +31,23 @@ def test_compiled_model_is_checked_and_timed():
     args = argparse.Namespace(reps=3, cuda_graph=False, compile=True)
     row = bench_model.run_case("8b-4b-fused", 1, 64, 1, 0.5, 8, args, torch.device("cpu"), torch.float32)
     assert "rejected" not in row and row["layer_rel_err"] < 0.35 and row["model"]["median_ms"] > 0
+
+
+def test_calibrated_scales_are_fitted_to_the_timed_inputs():
+    """--scales calibrated: fixed per-head scales from the bench's own batch, which then quantize
+    that batch as closely as the per-batch absmax does (and a fp16/fp32 backend is untouched)."""
+    cpu = torch.device("cpu")
+    model = bench_model.build("8b-8b-fused", 64, 2, 0.5, 8, cpu, torch.float32, scales="calibrated")
+    assert model.config.calibrated and torch.equal(model.blocks[0].attn.qkv_scale, torch.ones(3, 2))
+    bench_model.build_inputs(model, 2)
+    for block in model.blocks:
+        s = block.attn.qkv_scale
+        assert s.shape == (3, 2) and (s > 0).all() and not torch.equal(s, torch.ones(3, 2))
+    assert not bench_model.build("sparse", 64, 2, 0.5, 8, cpu, torch.float32, scales="calibrated").config.calibrated
+    errors = {}
+    for scales in ("absmax", "calibrated"):
+        args = argparse.Namespace(reps=3, cuda_graph=False, scales=scales)
+        row = bench_model.run_case("8b-8b", 2, 64, 2, 0.5, 8, args, cpu, torch.float32)
+        assert "rejected" not in row
+        errors[scales] = row["layer_rel_err"]
+    assert errors["calibrated"] < 2 * errors["absmax"]

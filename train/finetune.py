@@ -118,15 +118,20 @@ def init_from(cfg: dict):
         load_weights(model, ft["from"], skip=("qkv_scale",))  # a finetuned source: recalibrate
         if mcfg.calibrated:
             model.to(device)
-            amax = calibrate(model, train_split[0], int(cfg["train"]["batch_size"]),
-                             int(ft.get("calibration_batches", 8)), int(cfg.get("seed", 0)),
-                             ft["source_attention"], device)
-            bits = QUANTIZED[mcfg.quant_precision][1]
-            for block, a in zip(model.blocks, amax):
-                block.attn.qkv_scale.data.copy_(fakequant.scales_from_absmax(a, bits, mcfg.quant_granularity))
+            set_calibrated_scales(model, calibrate(model, train_split[0], int(cfg["train"]["batch_size"]),
+                                                   int(ft.get("calibration_batches", 8)), int(cfg.get("seed", 0)),
+                                                   ft["source_attention"], device))
         return model
 
     return init
+
+
+def set_calibrated_scales(model: LRAClassifier, amax: torch.Tensor) -> None:
+    """Each layer's qkv_scale from calibrate's absmax [L, 3, H], for the model's precision and granularity."""
+    c = model.config
+    bits = QUANTIZED[c.quant_precision][1]
+    for block, a in zip(model.blocks, amax):
+        block.attn.qkv_scale.data.copy_(fakequant.scales_from_absmax(a, bits, c.quant_granularity))
 
 
 def finetune(source: str | Path, precision: str | None = None, config: str | Path | None = None, overrides=(),
