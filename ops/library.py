@@ -28,14 +28,14 @@ SCHEMAS = {
              "Tensor? scale_a, Tensor? scale_b, int v, int bits, ScalarType out_dtype) -> Tensor",
     "sparse_softmax": "sparse_softmax(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor values, "
                       "int v, float scale, int out_bits) -> (Tensor, Tensor)",
-    # sddmm -> sparse_softmax -> spmm in one op, with the same intermediate roundings (fp16
-    # scores, quantized probabilities), so that a fused kernel computes the same function. Scales
-    # of any strides (an expanded per-(batch x head) scale is read in place); the output is
-    # [BH / heads, M, heads, dv] with bh = b * heads + h, which views as [B, M, heads * dv].
     # x [..., cols] (up to 4 leading dims, any strides but a contiguous last dim, cols a
     # multiple of 8, 16-byte aligned rows) / scale [...] (one per row, any strides) -> the
     # contiguous container of `bits`, shaped like x
     "quantize": "quantize(Tensor x, Tensor scale, int bits, bool is_signed) -> Tensor",
+    # sddmm -> sparse_softmax -> spmm in one op, with the same intermediate roundings (fp16
+    # scores, quantized probabilities), so that a fused kernel computes the same function. Scales
+    # of any strides (an expanded per-(batch x head) scale is read in place); the output is
+    # [BH / heads, M, heads, dv] with bh = b * heads + h, which views as [B, M, heads * dv].
     "sparse_attention": "sparse_attention(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor query, "
                         "Tensor key, Tensor value, Tensor? scale_q, Tensor? scale_k, Tensor? scale_v, int v, "
                         "float softmax_scale, int qk_bits, int p_bits, int heads) -> Tensor",
