@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "attention_kernel.cuh"
 #include "check.cuh"
@@ -77,7 +78,7 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
   const int64_t static_smem = static_cast<int64_t>(prop->sharedMemPerBlockOptin) - max_smem;
   // The cached blocks that fit beside the ring in `budget` bytes of dynamic shared memory.
   auto fit = [&](int64_t budget) {
-    return (std::min<int64_t>(budget, max_smem) - C::kStageSmem) / C::cached_block_bytes(SPLIT);
+    return (std::min<int64_t>(budget, max_smem) - C::kStageSmem) / C::kCachedBlockBytes;
   };
   auto per_sm = [&](int ctas) {
     return static_cast<int64_t>(prop->sharedMemPerMultiprocessor) / ctas -
@@ -87,15 +88,16 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
   if constexpr (!SPLIT) {
     // Whole rows pay off only with every block of a mean row cached: a recomputed block gathers
     // its key tile twice (three times with fp16 probabilities).
+    if (cached > room && std::getenv("MAGICUBE_ATTN_FOUR")) cached = room;
     if (cached > room) room = fit(per_sm(3));
     if (cached > room) return launch<OP, PB, D, DV, true>(p, vrows, bh, nnz_pad, stream);
   }
   cached = std::max<int64_t>(1, std::min<int64_t>(cached, room));
-  const int smem = C::smem_bytes(static_cast<int>(cached), SPLIT);
+  const int smem = C::smem_bytes(static_cast<int>(cached));
   MAGICUBE_CHECK(smem <= max_smem, "sparse_attention: needs ", smem,
                  " bytes of shared memory per block, the device has ", max_smem);
   p.cached = static_cast<int>(cached);
-  const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(SPLIT ? bh : (bh + kWarps - 1) / kWarps));
+  const dim3 grid(static_cast<unsigned>(SPLIT ? vrows : (vrows + kWarps - 1) / kWarps), static_cast<unsigned>(bh));
   kernel<<<grid, kThreads, smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

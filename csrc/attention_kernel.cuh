@@ -3,9 +3,11 @@
 // quantized to p_bits unsigned or fp16, exact integer accumulation, one fp16 rounding at the end).
 //
 // Two layouts. Whole rows (the default): one warp = one vector row (V query rows sharing their kept
-// keys) of one batch x head, one CTA = that row for 4 consecutive batch x heads, which share the
-// row's column indices, staged once in shared memory; a warp owns its row, so past that
-// staging there is no block barrier and no cross-warp reduction. Split rows (SPLIT, for rows too long for one warp's exact int32
+// keys) of one batch x head, one CTA = 4 vector rows of the same batch x head, neighbours in
+// row_order (so of about equal length). Their kept keys overlap (at density 0.1, 4 random rows
+// keep 34 % of the keys between them, not 40 %), and the gathers go through L1, so a key or
+// value row that two warps of the CTA both need is often fetched from L2 once. A warp owns its
+// row: there is no block barrier and no cross-warp reduction. Split rows (SPLIT, for rows too long for one warp's exact int32
 // accumulators): one CTA = one vector row of one batch x head, its 4 warps take the row's 32-slot
 // blocks round-robin and reduce through shared memory. Scores and probabilities never leave the SM.
 //
@@ -120,17 +122,13 @@ struct Cfg {
   static constexpr int kShift = OP == kInt4 ? 4 : 0;
   static constexpr int kStageSmem = kWarps * kStages * kTileBytes;
   static constexpr int kReduceSmem = kWarps * 8 * DV * (kFp16 ? 4 : 8);
-  // Shared memory per cached block of a warp: its scores in each warp's cache and the column
-  // indices the CTA stages for it (whole rows: one block shared by the 4 warps; split rows: the
-  // 4 warps' blocks).
-  static constexpr int cached_block_bytes(bool split) {
-    return kCacheBlockBytes + (split ? kWarps : 1) * kSlots * 4;
-  }
+  // Shared memory per cached block of a warp, for the 4 warps: their scores and their staged
+  // column indices.
+  static constexpr int kCachedBlockBytes = kCacheBlockBytes + kWarps * kSlots * 4;
   // Dynamic shared memory for a score cache of `cached` blocks per warp.
-  static constexpr int smem_bytes(int cached, bool split) {
-    return kStageSmem + cached * cached_block_bytes(split) > kReduceSmem
-               ? kStageSmem + cached * cached_block_bytes(split)
-               : kReduceSmem;
+  static constexpr int smem_bytes(int cached) {
+    return kStageSmem + cached * kCachedBlockBytes > kReduceSmem ? kStageSmem + cached * kCachedBlockBytes
+                                                                  : kReduceSmem;
   }
   static_assert(kKeyBytes % 16 == 0 && kValBytes % 16 == 0, "rows must be whole 16-byte chunks");
   static_assert(kLaneWords >= 1, "head dim too small");
@@ -242,9 +240,11 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t bh = SPLIT ? blockIdx.y : static_cast<int64_t>(blockIdx.y) * kWarps + warp;
-  const bool warp_live = SPLIT || bh < p.bh;  // whole rows: the last CTA may hold fewer batch x heads
-  const int vrow = p.row_order[blockIdx.x];
+  const int64_t bh = blockIdx.y;
+  const int vrows = p.m / p.v;
+  const int order_pos = SPLIT ? blockIdx.x : blockIdx.x * kWarps + warp;
+  if (!SPLIT && order_pos >= vrows) return;  // whole rows: the last CTA may hold fewer rows
+  const int vrow = p.row_order[order_pos];
   const int v = p.v;
   const int start = p.row_ptr[2 * vrow];
   const int count = p.row_ptr[2 * vrow + 1] - start;
@@ -265,25 +265,29 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     uint32_t raw[NW];
 #pragma unroll
     for (int i = 0; i < NW; ++i) raw[i] = 0;
-    if (row_live && warp_live) {
+    if (row_live) {
       ldg_words<C::kLaneBytes>(raw, p.q + (qrow0 + g) * C::kKeyBytes + t * C::kLaneBytes);
       if constexpr (!C::kFp16) sq = *strided(p.scale_q + bh * p.sq_bh, vrow * v + g, p.sq_step);
     }
     qw.set(raw);
   }
 
-  // The column indices of the cached blocks, staged once for the CTA (whole rows: the 4 warps
-  // stream the same blocks; split rows: each warp its own). The copies of cached blocks and the
-  // kept slots of pass 2 come from here; blocks past the cache read their columns from global
-  // memory.
+  // The column indices of each warp's cached blocks, staged once in shared memory (whole rows:
+  // warp w's at w * cached blocks; split rows: the row's first 4 * cached blocks, interleaved as the
+  // warps take them). The copies of cached blocks and the kept slots of pass 2 come from here;
+  // blocks past the cache read their columns from global memory.
   int* const cols = reinterpret_cast<int*>(smem + C::kStageSmem + p.cached * C::kCacheBlockBytes);
-  {
-    const int staged = min(nb, p.cached * kBlockStride) * kSlots;
+  if constexpr (SPLIT) {
+    const int staged = min(nb, p.cached * kWarps) * kSlots;
     for (int i = threadIdx.x; i < staged; i += kThreads) cols[i] = p.col_idx[start + i];
+    __syncthreads();
+  } else {
+    const int staged = min(nb, p.cached) * kSlots;
+    int* const own = cols + warp * p.cached * kSlots;
+    for (int i = lane; i < staged; i += 32) own[i] = p.col_idx[start + i];
+    __syncwarp();
   }
-  __syncthreads();
-  if (!warp_live) return;
-  auto block_cols = [&](int j) { return cols + ((SPLIT ? warp : 0) + j * kBlockStride) * kSlots; };
+  auto block_cols = [&](int j) { return cols + (SPLIT ? warp + j * kWarps : warp * p.cached + j) * kSlots; };
 
   // ---- The warp's tile stream, in the order the tiles are consumed: pass 1 key tiles of blocks
   // 0..nbw-1 (phase 0); fp16: the key tiles past the cache again (phase 1); pass 2 value tiles of
