@@ -7,7 +7,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "attention_kernel.cuh"
 #include "check.cuh"
@@ -71,8 +70,9 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
   // Score cache: the blocks a warp gets from a row of mean length (every row, for the balanced
   // masks of the paper). Longer rows recompute their last blocks' scores. Whole rows take 4 CTAs
   // (16 warps) per SM where a mean row's cache fits, else 3; split rows as many as their cache
-  // allows. At L = 4096, sparsity 0.9, d = 64, 8-bit: 13 blocks per warp and 4 CTAs per SM
-  // (whole rows), or 4 blocks and 6 (split rows).
+  // allows. At L = 4096, sparsity 0.9, d = 64: 13 blocks per warp and 3 CTAs per SM (whole rows,
+  // 8-bit and fp16). Capping the cache at 12 blocks for a 4th CTA was slower on an H200 (247 µs
+  // against 229 for 8b-8b): the recomputed blocks cost more than the extra warps gain.
   const int64_t mean_blocks = (nnz_pad / 32 + vrows - 1) / vrows;
   int64_t cached = SPLIT ? (mean_blocks + kWarps - 1) / kWarps : mean_blocks;
   const int64_t static_smem = static_cast<int64_t>(prop->sharedMemPerBlockOptin) - max_smem;
@@ -88,7 +88,6 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
   if constexpr (!SPLIT) {
     // Whole rows pay off only with every block of a mean row cached: a recomputed block gathers
     // its key tile twice (three times with fp16 probabilities).
-    if (cached > room && std::getenv("MAGICUBE_ATTN_FOUR")) cached = room;
     if (cached > room) room = fit(per_sm(3));
     if (cached > room) return launch<OP, PB, D, DV, true>(p, vrows, bh, nnz_pad, stream);
   }

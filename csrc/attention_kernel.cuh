@@ -92,7 +92,10 @@ struct Cfg {
   static constexpr int kLaneBytes = kKeyBytes / 4;  // a lane's run of one key row
   static constexpr int kLaneWords = kLaneBytes / 4;
   static constexpr int kRowStride = kKeyBytes > kValBytes ? kKeyBytes : kValBytes;
-  static constexpr int kStages = kRowStride > 128 ? 2 : 3;
+  // Three tiles in flight for rows up to 64 bytes; two from 128 bytes, where a third would push a
+  // mean row's score cache past 3 CTAs per SM (fp16 at d = 64 then ran as split rows: 475 µs
+  // against 409-430 with two stages, H200).
+  static constexpr int kStages = kRowStride >= 128 ? 2 : 3;
   // Shared tile rows are unpadded, their 16-byte chunks XOR-swizzled so that 8 consecutive rows
   // of one chunk (an ldmatrix read) hit 8 distinct bank groups: rows of 64 bytes pair up in a
   // 128-byte line, so the 4 rows of each parity need distinct chunk masks (0, 2, 1, 3, which
