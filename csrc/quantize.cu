@@ -1,6 +1,6 @@
 // Quantization of fp16/fp32 activations into the ops' integer containers, in one pass.
 //
-// q = clamp(round_half_even(x / scale), qmin, qmax) with an IEEE fp32 division, exactly as the
+// q = clamp(round_half_even(x / scale), qmin, qmax) (NaN: 0) with an IEEE fp32 division, exactly as the
 // reference (and torch's own x / scale, round, clamp) computes it; but where PyTorch needs a
 // pass per step over fp32 intermediates, this reads x once, where it lies (Q, K and V as strided
 // views of one projection output), and writes the container once.
@@ -85,7 +85,8 @@ __global__ void quantize_kernel(const T* __restrict__ x, const float* __restrict
     int q[kGroup];
 #pragma unroll
     for (int i = 0; i < kGroup; ++i) {
-      q[i] = static_cast<int>(fminf(fmaxf(rintf(__fdiv_rn(v[i], s)), kMin), kMax));
+      const float y = rintf(__fdiv_rn(v[i], s));
+      q[i] = y != y ? 0 : static_cast<int>(fminf(fmaxf(y, kMin), kMax));  // NaN: 0, as the reference
     }
     if constexpr (BITS == 4) {
       uint32_t w4 = 0;

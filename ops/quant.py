@@ -70,14 +70,15 @@ def quantize(x: torch.Tensor, scale, bits: int, signed: bool = True) -> torch.Te
 
 
 def _rounded(x: torch.Tensor, scale, bits: int, signed: bool) -> torch.Tensor:
-    """round_half_even(x / scale) saturated, as fp32 integers, with no host sync."""
+    """round_half_even(x / scale) saturated, as fp32 integers, with no host sync. NaN gives 0 (the
+    kernels do the same; a cast of NaN to an integer type is undefined)."""
     qmin, qmax = qrange(bits, signed)
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     # The division is fp32 whatever x's dtype. A half x over a scale with dims promotes to fp32
     # without the extra pass of x.float(); a 0-dim scale would not promote it (it would divide in half).
     narrow = x.dtype in (torch.float16, torch.bfloat16) and scale.dim() > 0
     q = torch.div(x if narrow or x.dtype == torch.float32 else x.float(), scale)
-    return q.round_().clamp_(qmin, qmax)  # torch.round rounds half to even
+    return q.round_().clamp_(qmin, qmax).nan_to_num_(nan=0.0)  # torch.round rounds half to even
 
 
 def to_container(q: torch.Tensor, bits: int, signed: bool = True) -> torch.Tensor:

@@ -172,3 +172,10 @@ def test_the_quantize_op_reads_strided_views(bits, signed, dtype):
         assert got.is_contiguous() and got.dtype == container_dtype(bits, signed)
         assert torch.equal(got, torch.ops.magicube.quantize(x.contiguous(), s.contiguous(), bits, signed))
         assert torch.equal(got, quant.quantize_to_container(x.contiguous(), s[..., None], bits, signed))
+
+
+def test_nan_quantizes_to_zero_and_infinities_saturate():
+    x = torch.tensor([[float("nan"), float("inf"), float("-inf"), -2.5]])
+    for bits in (16, 8, 4):
+        qmin, qmax = qrange(bits)
+        assert quantize(x, 1.0, bits).tolist() == [[0, qmax, qmin, -2]]

@@ -32,6 +32,36 @@ def test_matches_the_definition(kernels, bits, signed, shape, scale_shape, dtype
     assert got.dtype == want.dtype and torch.equal(got.cpu(), want)
 
 
+@pytest.mark.parametrize("bits", [16, 8])
+def test_quotients_next_to_half_integers_round_as_the_division_does(kernels, bits):
+    """The kernel multiplies by 1/s and divides only near a tie: x / s a few ulps either side of
+    k + 1/2 (and on it), for scales whose reciprocals are inexact, tiny (subnormal) and huge."""
+    scales = torch.tensor([3.0, 0.1, 7.3, 1 / 3, 0.0123, 1e-39, 3e36, 2.5e-38], dtype=torch.float64)
+    k = torch.arange(-40, 40, dtype=torch.float64) + 0.5
+    rows = []
+    for s in scales:
+        up = down = (k * s).float()
+        near = [up]
+        for _ in range(3):  # 1, 2 and 3 ulps either side
+            up, down = torch.nextafter(up, up + float("inf")), torch.nextafter(down, down - float("inf"))
+            near += [up, down]
+        rows.append(torch.cat(near))
+    x, s = torch.stack(rows), scales.float()  # a row of 560 values per scale
+    got = kernels.quantize(x.cuda(), s.cuda(), bits, True).cpu()
+    assert torch.equal(got, quant.quantize_to_container(x, s[:, None], bits, True))
+
+
+@pytest.mark.parametrize("bits, signed", KINDS)
+def test_nan_gives_zero_and_infinities_saturate(kernels, bits, signed):
+    x = torch.tensor([[float("nan"), float("inf"), float("-inf"), 1.0] * 2])
+    got = kernels.quantize(x.cuda(), torch.ones(1, device="cuda"), bits, signed).cpu()
+    want = quant.quantize_to_container(x, torch.ones(1, 1), bits, signed)
+    assert torch.equal(got, want)
+    q = quant.quantize(x, torch.ones(1, 1), bits, signed)
+    qmin, qmax = quant.qrange(bits, signed)
+    assert q[0, :4].tolist() == [0, qmax, qmin, 1]
+
+
 def test_the_kernel_serves_the_op(kernels):
     x = torch.randn(4, 64, device="cuda", dtype=torch.float16)
     s = torch.full((4,), 0.01, device="cuda")
