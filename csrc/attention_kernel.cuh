@@ -297,21 +297,24 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   // the cached blocks (phase 2); then key and value tile of each block past the cache (phase 3).
   // The issue side runs kStages - 1 tiles ahead of the consumer and walks the same order.
   //
-  // Copy map: a lane copies rows r0 = lane / 2 and r1 = 16 + lane / 2 of a tile, 16-byte chunks
-  // 2u + (lane & 1), so two lanes fill whole 32-byte sectors of a row (16-byte rows: row `lane`).
-  // A lane's source addresses are then its two columns times the row bytes, the same for the key
-  // and the value tile of a block. In the tile, chunk 2u + (lane & 1) of a row lies at the
-  // row's offset for chunk lane & 1, XOR 32 u.
+  // Copy map: LPR lanes share a row (up to 4, 64 bytes), so one 16-byte cp.async of the warp
+  // covers 32 / LPR rows: lane copies rows lane / LPR + (32 / LPR) k of a tile, 16-byte chunks
+  // LPR u + lane % LPR. The gathers are bound by L1 wavefronts, which grow with the rows an
+  // instruction touches: 8 rows of 64 bytes an instruction took 8b-8b from 227 to ... us against
+  // 16 rows of 32 bytes (H200). A lane's source addresses are its kRows columns times the row
+  // bytes, the same for the key and the value tile of a block. In the tile, chunk LPR u + lane % LPR
+  // of a row lies at the row's offset for chunk lane % LPR, XOR 16 LPR u.
   static_assert(C::kKeyBytes == C::kValBytes, "key and value tiles share their copy offsets");
   constexpr int RB = C::kKeyBytes;
   constexpr int CPR = RB / 16;
-  constexpr int kRows = CPR == 1 ? 1 : 2;
-  constexpr int kChunks = CPR == 1 ? 1 : CPR / 2;
-  const int lane_chunk = CPR == 1 ? 0 : (lane & 1);
+  constexpr int LPR = CPR < 4 ? CPR : 4;
+  constexpr int kRowStep = 32 / LPR;  // rows an instruction covers
+  constexpr int kRows = LPR;          // rows a lane copies
+  constexpr int kChunks = CPR / LPR;  // chunks a lane copies of each
+  const int lane_chunk = lane % LPR;
   uint32_t row_dst[kRows];
 #pragma unroll
-  for (int k = 0; k < kRows; ++k)
-    row_dst[k] = pinned(C::tile_offset(CPR == 1 ? lane : 16 * k + (lane >> 1), lane_chunk * 16));
+  for (int k = 0; k < kRows; ++k) row_dst[k] = pinned(C::tile_offset(lane / LPR + kRowStep * k, lane_chunk * 16));
   const uint8_t* const key_base = pinned(p.k + bh * p.n * RB + lane_chunk * 16);
   const uint8_t* const val_base = pinned(p.val + bh * p.n * RB + lane_chunk * 16);
   const float* const sk_base = pinned(p.scale_k + bh * p.sk_bh);
@@ -328,7 +331,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       const bool live = static_cast<uint32_t>(c[k]) < n_cols;
       const uint8_t* src = base + static_cast<uint64_t>(live ? static_cast<uint32_t>(c[k]) : 0u) * RB;
 #pragma unroll
-      for (int u = 0; u < kChunks; ++u) cp_async16(dst + (row_dst[k] ^ (32 * u)), src + 32 * u, live ? 16 : 0);
+      for (int u = 0; u < kChunks; ++u)
+        cp_async16(dst + (row_dst[k] ^ (16 * LPR * u)), src + 16 * LPR * u, live ? 16 : 0);
     }
   };
   // Past the cache: the column of slot `lane` of the next key tile to issue, loaded one key tile
@@ -337,12 +341,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   int cur_cols[kRows];  // copy columns of the last key tile issued (its value tile follows in phase 3)
   auto issue_key = [&](uint32_t dst, int j, int phase) {
     const int col_l = j < p.cached ? block_cols(j)[lane] : pf_col;
-    if constexpr (kRows == 2) {
-      cur_cols[0] = __shfl_sync(0xffffffffu, col_l, lane >> 1);
-      cur_cols[1] = __shfl_sync(0xffffffffu, col_l, 16 + (lane >> 1));
-    } else {
-      cur_cols[0] = col_l;
-    }
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) cur_cols[k] = __shfl_sync(0xffffffffu, col_l, lane / LPR + kRowStep * k);
     copy_tile(dst, key_base, cur_cols);
     // Slot metadata for the scores: the key scales and the mask of live slots.
     const bool live = static_cast<uint32_t>(col_l) < n_cols;
@@ -369,7 +369,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       const int* staged = block_cols(iss_j);
       int c[kRows];
 #pragma unroll
-      for (int k = 0; k < kRows; ++k) c[k] = staged[kRows == 2 ? 16 * k + (lane >> 1) : lane];
+      for (int k = 0; k < kRows; ++k) c[k] = staged[lane / LPR + kRowStep * k];
       copy_tile(iss_dst, val_base, c);
       ++iss_j;
     } else if (iss_phase == 3 && iss_val) {
