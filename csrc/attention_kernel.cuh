@@ -12,15 +12,17 @@
 // blocks round-robin and reduce through shared memory. Scores and probabilities never leave the SM.
 //
 // Why this shape (Hopper, L = 4096, d = 64, sparsity 0.9: ~13 blocks per row):
-// - The kernel is bound by the L2 -> SM gather of key and value rows (both heads' K and V stay in
-//   L2), not by tensor cores, so the design minimises gathered bytes: every key and value row of a
-//   block is fetched once. Scores are kept on chip, not recomputed: a warp keeps the fp16 scores
-//   of its first `cached` blocks in shared memory and recomputes only the blocks past that, so a
-//   row longer than the cache stays correct at the price of a second key gather. The host sizes
-//   the cache from the pattern's mean row length (nnz_pad / rows, known without reading the
-//   pattern), so no host read of the pattern is needed (CUDA-graph capturable) and the cache
-//   does not cost occupancy on short rows. Shared memory rather than registers keeps the block
-//   loops rolled: registers and code size do not grow with the cache.
+// - The kernel is bound by the gather of key and value rows (K and V stay in L2), not by tensor
+//   cores: by the L1 wavefronts of the gathers more than by L2 bandwidth (Nsight Compute: L1
+//   data-pipe wavefronts at 74 % of peak, L2 at about 60 %). So every key and value row of a
+//   block is fetched once, with as few rows per instruction as the row size allows. Scores are
+//   kept on chip, not recomputed: a warp keeps the fp16 scores of its first `cached` blocks in
+//   shared memory and recomputes only the blocks past that, so a row longer than the cache stays
+//   correct at the price of a second key gather. The host sizes the cache from the pattern's
+//   mean row length (nnz_pad / rows, known without reading the pattern), so no host read of the
+//   pattern is needed (CUDA-graph capturable) and the cache does not cost occupancy on short
+//   rows. Shared memory rather than registers keeps the block loops rolled: registers and code
+//   size do not grow with the cache.
 // - Softmax needs the row max before any probability can be quantized, so a warp makes two
 //   passes over its blocks: scores and the max (pass 1), then exp, quantization and the product
 //   with V (pass 2); the sum is not needed to quantize (q = rint(e * qmax) with e = exp(x - max))
