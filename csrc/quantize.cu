@@ -1,9 +1,9 @@
 // Quantization of fp16/fp32 activations into the ops' integer containers, in one pass.
 //
-// q = clamp(round_half_even(x / scale), qmin, qmax) (NaN: 0) with an IEEE fp32 division, exactly as the
-// reference (and torch's own x / scale, round, clamp) computes it; but where PyTorch needs a
-// pass per step over fp32 intermediates, this reads x once, where it lies (Q, K and V as strided
-// views of one projection output), and writes the container once.
+// q = clamp(round_half_even(x / scale), qmin, qmax), NaN giving 0, with an IEEE fp32 division,
+// exactly as the reference (and torch's own x / scale, round, clamp) computes it; but where
+// PyTorch needs a pass per step over fp32 intermediates, this reads x once, where it lies (Q, K
+// and V as strided views of one projection output), and writes the container once.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -34,8 +34,9 @@ def test_matches_the_definition(kernels, bits, signed, shape, scale_shape, dtype
 
 @pytest.mark.parametrize("bits", [16, 8])
 def test_quotients_next_to_half_integers_round_as_the_division_does(kernels, bits):
-    """The kernel multiplies by 1/s and divides only near a tie: x / s a few ulps either side of
-    k + 1/2 (and on it), for scales whose reciprocals are inexact, tiny (subnormal) and huge."""
+    """Quotients a few ulps either side of k + 1/2 (and on it), for scales whose reciprocals are
+    inexact, subnormal and huge: a product with 1/s instead of the division rounds 700 of these
+    4480 values (16-bit) the other way."""
     scales = torch.tensor([3.0, 0.1, 7.3, 1 / 3, 0.0123, 1e-39, 3e36, 2.5e-38], dtype=torch.float64)
     k = torch.arange(-40, 40, dtype=torch.float64) + 0.5
     rows = []
