@@ -71,7 +71,7 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
   // masks of the paper). Longer rows recompute their last blocks' scores. Whole rows take 4 CTAs
   // (16 warps) per SM where a mean row's cache fits, else 3; split rows as many as their cache
   // allows. At L = 4096, sparsity 0.9, d = 64: 13 blocks per warp and 3 CTAs per SM (whole rows,
-  // 8-bit and fp16). Capping the cache at 12 blocks for a 4th CTA was slower on an H200 (247 µs
+  // 8-bit and fp16). Capping the cache at 12 blocks for a 4th CTA was slower on an H200 (247 us
   // against 229 for 8b-8b): the recomputed blocks cost more than the extra warps gain.
   const int64_t mean_blocks = (nnz_pad / 32 + vrows - 1) / vrows;
   int64_t cached = SPLIT ? (mean_blocks + kWarps - 1) / kWarps : mean_blocks;

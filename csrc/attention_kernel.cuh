@@ -96,7 +96,7 @@ struct Cfg {
   static constexpr int kLaneWords = kLaneBytes / 4;
   static constexpr int kRowStride = kKeyBytes > kValBytes ? kKeyBytes : kValBytes;
   // Three tiles in flight for rows up to 64 bytes; two from 128 bytes, where a third would push a
-  // mean row's score cache past 3 CTAs per SM (fp16 at d = 64 then ran as split rows: 475 µs
+  // mean row's score cache past 3 CTAs per SM (fp16 at d = 64 then ran as split rows: 475 us
   // against 409-430 with two stages, H200).
   static constexpr int kStages = kRowStride >= 128 ? 2 : 3;
   // Shared tile rows are unpadded, their 16-byte chunks XOR-swizzled so that 8 consecutive rows
