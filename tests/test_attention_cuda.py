@@ -167,7 +167,8 @@ def test_range_extremes(kernels, p_bits, qk_bits):
 def test_balanced_rows(kernels, p_bits, qk_bits):
     """The benchmark's kind of mask (every vector row keeps the same count, 13 blocks of 32 at
     L = 4096, sparsity 0.9) on a smaller L: whole rows with every block in the score cache, BH = 6
-    (the last CTA of 4 batch x heads half empty)."""
+    batch x heads of 128 vector rows, 4 rows of one batch x head a CTA (the shapes of
+    test_matches_reference leave the last CTA part empty)."""
     bh, seq, v, d = 6, 1024, 8, 64
     mask = random_vector_mask(seq, seq, v, 0.9, seed=2)
     p = SRBCRS.from_mask(mask, stride=32)
