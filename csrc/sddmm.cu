@@ -119,11 +119,18 @@ struct Gather {
 // eight rows of each stmatrix matrix over all 32 banks.
 __device__ __forceinline__ int tile_chunk(int r, int q) { return 4 * r + (q ^ ((r >> 1) & 3)); }
 
+// CTAs an SM, as registers allow: more warps keep more gathers in flight. 4-bit
+// operands of one k step a row fit 64 registers (four CTAs, 32 warps an SM: 4 %
+// faster than three on the target, H200); other 4- and 8-bit rows fit 80 (three;
+// at 64 they spill, and 8-bit runs 15 % slower); the 16-bit planes and the
+// float16 two-chunk step need up to 128 (two).
+constexpr int ctas_per_sm(int mode, int al) {
+  return mode == kInt4 && al == kWholeSteps ? 4 : mode == kInt8 || mode == kInt4 ? 3 : 2;
+}
+
 // Grid (ceil(M/V / 8), BH); warp w of CTA x owns vector row row_order[8x + w].
-// 8- and 4-bit operands fit 80 registers (three CTAs, 24 warps an SM); the
-// 16-bit planes and the float16 two-chunk step need up to 128 (two CTAs).
 template <int MODE, int AL, typename OutT>
-__global__ void __launch_bounds__(kWarps * 32, MODE == kInt8 || MODE == kInt4 ? 3 : 2)
+__global__ void __launch_bounds__(kWarps * 32, ctas_per_sm(MODE, AL))
     sddmm_kernel(const int* __restrict__ row_ptr, const int* __restrict__ col_idx,
                  const int* __restrict__ row_order, int num_vrows, int num_blocks,
                  int64_t nnz_pad, const uint8_t* __restrict__ a, const uint8_t* __restrict__ b,
