@@ -239,6 +239,28 @@ def test_long_row_uncached(kernels):
             check_quantized(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, "long row")
 
 
+@pytest.mark.parametrize("p_bits, qk_bits", [(8, 8), (8, 4), (0, 16)], ids=["P8-QK8", "P8-QK4", "fp16"])
+def test_unsorted_columns(kernels, p_bits, qk_bits):
+    """Each row's columns in a random order (SRBCRS accepts any): the softmax, the score cache and
+    the key / value gathers must not rely on ascending keys. 40 vector rows of 0 to 1200 keys."""
+    bh, rows, n, v, d = 2, 40, 1200, 8, 64
+    g = torch.Generator().manual_seed(21)
+    mask = torch.rand(rows, n, generator=g) < torch.rand(rows, 1, generator=g) * 0.4
+    mask[0], mask[1] = False, True
+    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
+    col = p.col_idx.clone()
+    for s, e in zip(p.row_ptr[0::2].tolist(), p.row_ptr[1::2].tolist()):
+        col[s:e] = col[s:e][torch.randperm(e - s, generator=g)]
+    p = SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, col, p.row_order, p.shuffled)
+    emask = VectorMask(mask, v).to_dense()
+    inputs = make_inputs(bh, p.m, n, d, p_bits, qk_bits, g)
+    got, want = run_both(kernels, p, inputs, v, d**-0.5, qk_bits, p_bits)
+    if p_bits == 0:
+        check_fp16(p, emask, inputs, got, want, d**-0.5, "unsorted columns")
+    else:
+        check_quantized(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, "unsorted columns")
+
+
 @pytest.mark.parametrize("p_bits, qk_bits, n", [(16, 16, 22_500), (8, 8, 66_000), (16, 4, 66_000)])
 def test_split_rows(kernels, p_bits, qk_bits, n):
     """N past the exact int32 accumulation of one warp over a whole row: the kernel splits each row
