@@ -28,6 +28,15 @@ def problem(bh, rows, k, v, sparsity, seed, shuffle=False):
     return SRBCRS.from_mask(mask, stride=32, shuffle=shuffle), mask.to_dense()
 
 
+def with_columns_shuffled(p: SRBCRS, generator) -> SRBCRS:
+    """p with each row's kept columns in a random order: the format lists them ascending, but
+    SRBCRS accepts any order, so no kernel may rely on it."""
+    col = p.col_idx.clone()
+    for s, e in zip(p.row_ptr[0::2].tolist(), p.row_ptr[1::2].tolist()):
+        col[s:e] = col[s:e][torch.randperm(e - s, generator=generator)]
+    return SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, col, p.row_order, p.shuffled)
+
+
 def load_kernels(family: str):
     """Build and load one kernel family; its ops are then under torch.ops.magicube_cuda."""
     from magicube.ops import extension

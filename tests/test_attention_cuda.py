@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from conftest import load_kernels, poison_allocator, problem
+from conftest import load_kernels, poison_allocator, problem, with_columns_shuffled
 from magicube.ops import (SRBCRS, VectorMask, absmax_scale, from_container, quantize, random_vector_mask,
                           to_container)
 
@@ -241,17 +241,13 @@ def test_long_row_uncached(kernels):
 
 @pytest.mark.parametrize("p_bits, qk_bits", [(8, 8), (8, 4), (0, 16)], ids=["P8-QK8", "P8-QK4", "fp16"])
 def test_unsorted_columns(kernels, p_bits, qk_bits):
-    """Each row's columns in a random order (SRBCRS accepts any): the softmax, the score cache and
-    the key / value gathers must not rely on ascending keys. 40 vector rows of 0 to 1200 keys."""
+    """Each row's columns in a random order: the softmax, the score cache and the key / value
+    gathers must not rely on ascending keys. 40 vector rows of 0 to 1200 keys."""
     bh, rows, n, v, d = 2, 40, 1200, 8, 64
     g = torch.Generator().manual_seed(21)
     mask = torch.rand(rows, n, generator=g) < torch.rand(rows, 1, generator=g) * 0.4
     mask[0], mask[1] = False, True
-    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
-    col = p.col_idx.clone()
-    for s, e in zip(p.row_ptr[0::2].tolist(), p.row_ptr[1::2].tolist()):
-        col[s:e] = col[s:e][torch.randperm(e - s, generator=g)]
-    p = SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, col, p.row_order, p.shuffled)
+    p = with_columns_shuffled(SRBCRS.from_mask(VectorMask(mask, v), stride=32), g)
     emask = VectorMask(mask, v).to_dense()
     inputs = make_inputs(bh, p.m, n, d, p_bits, qk_bits, g)
     got, want = run_both(kernels, p, inputs, v, d**-0.5, qk_bits, p_bits)

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import load_kernels, poison_allocator, problem, random_ints
+from conftest import load_kernels, poison_allocator, problem, random_ints, with_columns_shuffled
 from magicube.ops import SRBCRS, VectorMask, qrange, to_container
 from magicube.ops.format import value_coordinates
 
@@ -110,6 +110,24 @@ def test_fp16_within_fp32_accumulation_bound(kernels, v):
         assert _within_fp32_bound(want, p, a, b)
 
 
+def _check_random_operands(kernels, p, bh, n, k, v, bits, g, what):
+    """Random A (BH x M x K) and B (BH x N x K) of `bits` (0: float16) through the kernel: the int64
+    and the dequantized fp16 outputs bit-exact against the reference, float16 within its bound."""
+    if bits == 0:
+        a = torch.randn(bh, p.m, k, generator=g).half()
+        b = torch.randn(bh, n, k, generator=g).half()
+        got, _ = _run(kernels, p, a, b, None, None, v, 16, torch.float16)
+        assert _within_fp32_bound(got, p, a, b), what
+        return
+    a = to_container(random_ints((bh, p.m, k), bits, True, g), bits)
+    b = to_container(random_ints((bh, n, k), bits, True, g), bits)
+    got, want = _run(kernels, p, a, b, None, None, v, bits, torch.int64)
+    assert torch.equal(got, want), f"{what}: {(got != want).sum()} mismatches"
+    sa, sb = _scales(bh, p.m, n, g, bits)
+    got, want = _run(kernels, p, a, b, sa, sb, v, bits, torch.float16)
+    assert not got.isnan().any() and torch.equal(got, want), f"{what}: dequantized output differs"
+
+
 @pytest.mark.parametrize("v", [2, 4, 8])
 @pytest.mark.parametrize("bits", [16, 8, 4, 0])
 def test_rows_of_every_block_count(kernels, bits, v):
@@ -128,50 +146,20 @@ def test_rows_of_every_block_count(kernels, bits, v):
                p.row_order[torch.randperm(len(counts), generator=g)].contiguous(), p.shuffled)
     bh = 3
     for k in (64, 160):
-        if bits == 0:
-            a = torch.randn(bh, p.m, k, generator=g).half()
-            b = torch.randn(bh, n, k, generator=g).half()
-            got, _ = _run(kernels, p, a, b, None, None, v, 16, torch.float16)
-            assert _within_fp32_bound(got, p, a, b), f"K={k}"
-            continue
-        a = to_container(random_ints((bh, p.m, k), bits, True, g), bits)
-        b = to_container(random_ints((bh, n, k), bits, True, g), bits)
-        got, want = _run(kernels, p, a, b, None, None, v, bits, torch.int64)
-        assert torch.equal(got, want), f"K={k}: {(got != want).sum()} mismatches"
-        sa, sb = _scales(bh, p.m, n, g, bits)
-        got, want = _run(kernels, p, a, b, sa, sb, v, bits, torch.float16)
-        assert not got.isnan().any() and torch.equal(got, want), f"K={k}: dequantized output differs"
+        _check_random_operands(kernels, p, bh, n, k, v, bits, g, f"K={k}")
 
 
 @pytest.mark.parametrize("v", [2, 8])
 @pytest.mark.parametrize("bits", [16, 8, 4, 0])
 def test_unsorted_columns_many_rows(kernels, bits, v):
-    """130 vector rows (17 CTAs) of 0 to 2085 kept columns, K = 64: the columns of each row are
-    shuffled, so no kernel may rely on ascending columns (the format promises them, but
-    SRBCRS accepts any order), and the padding of a row's last block must still be zero."""
+    """130 vector rows (17 CTAs) of 0 to 2085 kept columns, K = 64, each row's columns in a random
+    order; the padding of a row's last block must still be zero."""
     n, rows, bh, k = 2085, 130, 2, 64
     g = torch.Generator().manual_seed(20 * bits + v)
     mask = torch.rand(rows, n, generator=g) < torch.rand(rows, 1, generator=g) * 0.3
     mask[0], mask[1], mask[2] = False, True, torch.arange(n) >= n - 40
-    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
-    col = p.col_idx.clone()
-    starts, ends = p.row_ptr[0::2].long(), p.row_ptr[1::2].long()
-    for s, e in zip(starts.tolist(), ends.tolist()):
-        col[s:e] = col[s:e][torch.randperm(e - s, generator=g)]
-    p = SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, col, p.row_order, p.shuffled)
-    if bits == 0:
-        a = torch.randn(bh, p.m, k, generator=g).half()
-        b = torch.randn(bh, n, k, generator=g).half()
-        got, _ = _run(kernels, p, a, b, None, None, v, 16, torch.float16)
-        assert _within_fp32_bound(got, p, a, b)
-        return
-    a = to_container(random_ints((bh, p.m, k), bits, True, g), bits)
-    b = to_container(random_ints((bh, n, k), bits, True, g), bits)
-    got, want = _run(kernels, p, a, b, None, None, v, bits, torch.int64)
-    assert torch.equal(got, want), f"{(got != want).sum()} mismatches"
-    sa, sb = _scales(bh, p.m, n, g, bits)
-    got, want = _run(kernels, p, a, b, sa, sb, v, bits, torch.float16)
-    assert not got.isnan().any() and torch.equal(got, want), "dequantized output differs"
+    p = with_columns_shuffled(SRBCRS.from_mask(VectorMask(mask, v), stride=32), g)
+    _check_random_operands(kernels, p, bh, n, k, v, bits, g, "unsorted columns")
 
 
 def test_padding_is_zero_and_row_order_irrelevant(kernels):
