@@ -52,6 +52,20 @@ def test_quotients_next_to_half_integers_round_as_the_division_does(kernels, bit
     assert torch.equal(got, quant.quantize_to_container(x, s[:, None], bits, True))
 
 
+@pytest.mark.parametrize("bits", [16, 8])
+def test_every_float16_value_rounds_as_the_division_does(kernels, bits):
+    """float16 inputs divide by the fast path with the reciprocal taken once per group when the
+    scale lies in [2^-60, 2^60], by the full division otherwise: all 65536 bit patterns (NaNs,
+    infinities and subnormals included) against the reference, for scales inside the range, on
+    and past both of its ends."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    scales = torch.tensor([1.0, 2.0, 3.0, 0.1, 1 / 3, 7.3, 0.0123, 1e-3, 37.1, 513.7, 2.0**-60, 1.5 * 2.0**-60,
+                           2.0**60, 1.7 * 2.0**59, 2.0**-61, 2.0**61, 1e-30, 1e30, 2.5e-38, 3e36])
+    xs = x.expand(len(scales), -1).contiguous()
+    got = kernels.quantize(xs.cuda(), scales.cuda(), bits, True).cpu()
+    assert torch.equal(got, quant.quantize_to_container(xs, scales[:, None], bits, True))
+
+
 @pytest.mark.parametrize("bits, signed", KINDS)
 def test_nan_gives_zero_and_infinities_saturate(kernels, bits, signed):
     x = torch.tensor([[float("nan"), float("inf"), float("-inf"), 1.0] * 2])
