@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from magicube.eval.timing import cuda_time, environment, save_json
+from magicube.eval.timing import cuda_time, device_slug, environment, save_json
 from magicube.model.lra import quantize_qkv
 from magicube.ops import SRBCRS, extension, random_vector_mask
 
@@ -41,10 +41,6 @@ TARGET = dict(b=8, h=4, seq=4096, sparsity=0.9, method="fused 8b-8b")
 D, V = 64, 8
 QUANT = [(8, 8), (16, 8), (8, 4)]  # (probability bits, Q/K/V bits)
 REF_HEADS = 2  # heads compared with the fp32 reference
-
-
-def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
 
 
 def _label(p_bits, qk_bits):
@@ -226,7 +222,7 @@ def main(argv=None) -> int:
     summary = summarize(records)
     print("summary:", summary)
     out = Path(args.out)
-    name = f"attention_{_slug(env.get('device', 'gpu'))}"
+    name = f"attention{'_quick' if args.quick else ''}_{device_slug(env)}"
     save_json(out / f"{name}.json", dict(environment=env, config=cfg, quick=args.quick, summary=summary,
                                          records=records))
     plot(records, out / f"{name}.png", f"Attention core, d={D}, V={V} on {env.get('device')} "

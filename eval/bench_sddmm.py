@@ -18,10 +18,12 @@ from pathlib import Path
 
 import torch
 
-from magicube.eval.timing import cuda_time, environment, save_json
+from magicube.eval.timing import cuda_time, device_slug, environment, save_json
 from magicube.ops import SRBCRS, extension, random_vector_mask
 
 PRECISIONS = (("L16-R16", 16), ("L8-R8", 8), ("L4-R4", 4), ("fp16", 0))
+# The shape the kernels are judged at: one attention layer's scores (32 batch x heads).
+TARGET = dict(m=4096, k=64, bh=32, v=8, sparsity=0.9)
 
 
 def _inputs(bh, m, n, k, bits, device):
@@ -91,7 +93,18 @@ def run(cfg, reps: int, log=print) -> dict:
             log(f"  softmax out_bits={out_bits}: {t['median_ms'] * 1e3:.1f} us, {gbs:.0f} GB/s = "
                 f"{100 * gbs / copy_gbs:.0f} % of copy")
         del scores
-    return dict(environment=environment(), copy_gb_per_s=copy_gbs, config=cfg, records=records)
+    return dict(environment=environment(), copy_gb_per_s=copy_gbs, config=cfg, summary=summarize(records),
+                records=records)
+
+
+def summarize(records) -> dict:
+    """The target shape's figures: each SDDMM's speedup over the dense product, each softmax's
+    fraction of the copy rate."""
+    at = [r for r in records if all(r[key] == value for key, value in TARGET.items())]
+    return dict(target=TARGET,
+                sddmm_speedup_vs_dense={r["kernel"]: r["speedup_vs_dense"] for r in at if "speedup_vs_dense" in r},
+                sddmm_us={r["kernel"]: r["median_ms"] * 1e3 for r in at if r["kernel"].startswith("sddmm")},
+                softmax_fraction_of_copy={r["kernel"]: r["fraction_of_copy"] for r in at if "fraction_of_copy" in r})
 
 
 def plot(result, path: Path) -> None:
@@ -135,11 +148,11 @@ def main(argv=None) -> int:
         cfg = dict(shapes=[(m, 32, k) for m in (1024, 2048, 4096) for k in (64, 128, 256)], v=[2, 4, 8],
                    sparsity=[0.5, 0.7, 0.8, 0.9, 0.95, 0.98], softmax_bits=[0, 16, 8, 4])
     result = run(cfg, args.reps)
-    out = Path(args.out)
-    tag = "quick" if args.quick else "full"
-    save_json(out / f"sddmm_{tag}.json", result)
-    plot(result, out / f"sddmm_{tag}.png")
-    print(f"wrote {out / f'sddmm_{tag}.json'} and {out / f'sddmm_{tag}.png'}")
+    name = Path(args.out) / f"sddmm{'_quick' if args.quick else ''}_{device_slug(result['environment'])}"
+    save_json(name.with_suffix(".json"), result)
+    plot(result, name.with_suffix(".png"))
+    print("summary:", result["summary"])
+    print(f"wrote {name}.json and .png")
     return 0
 
 

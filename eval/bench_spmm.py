@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from magicube.eval.timing import cuda_time, environment, save_json
+from magicube.eval.timing import cuda_time, device_slug, environment, save_json
 from magicube.ops import SRBCRS, extension, random_vector_mask, to_container
 
 PAIRS = [(8, 8), (4, 4), (16, 8), (16, 16), (8, 4), (16, 4), (12, 4)]
@@ -28,10 +28,6 @@ FULL = dict(sparsity=[0.5, 0.7, 0.8, 0.9, 0.95, 0.98], v=[2, 4, 8], n=[128, 256,
 QUICK = dict(sparsity=[0.7, 0.9, 0.98], v=[2, 8], n=[256], mk=[1024, 4096])
 INNER = 20
 TARGET = dict(pair="L8-R8", v=8, sparsity=0.9, mk=4096, n=256)
-
-
-def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
 
 
 def _time(fn, reps, graph=True):
@@ -177,7 +173,7 @@ def main(argv=None) -> int:
     cfg = QUICK if args.quick else FULL
     print(f"bench_spmm on {env.get('device')}, torch {env['torch']}, CUDA {env['cuda']}", flush=True)
     out = Path(args.out)
-    name = f"spmm_{_slug(env.get('device', 'gpu'))}"
+    name = f"spmm{'_quick' if args.quick else ''}_{device_slug(env)}"
 
     def save(records, complete=False):
         save_json(out / f"{name}.json", dict(environment=env, config=cfg, quick=args.quick, complete=complete,

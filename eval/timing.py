@@ -128,6 +128,11 @@ def environment(device=None) -> dict:
     return env
 
 
+def device_slug(env: dict) -> str:
+    """The device of `environment()` as a file-name part: "NVIDIA H200" -> "nvidia_h200"."""
+    return "".join(c if c.isalnum() else "_" for c in env.get("device", "gpu")).strip("_").lower()
+
+
 def save_json(path, obj) -> Path:
     """Write JSON atomically (a temporary file renamed over the target)."""
     path = Path(path)
