@@ -5,6 +5,10 @@
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
 #include "check.cuh"
 #include "spmm_kernel.cuh"
 
@@ -40,10 +44,58 @@ void launch(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, boo
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The resident-B kernel, where it applies: 8- or 4-bit B whose rows take 16-byte copies and a
+// 32-byte slice of all of B's rows fitting one CTA's shared memory. MAGICUBE_SPMM_KERNEL=resident or
+// gather forces the choice (tests, benchmarks). By default it runs where it paid on an H100: on
+// B rows of at most a quarter of the gather kernel's tile (64 bytes for 8-bit B), whose tiles are
+// then mostly zeros (2.4-3.5x faster at batch x heads 32, K 4096, N 64: the attention pipeline's
+// product), and on rows of half a tile with at least 256 KB of gathers per CTA. On full tiles the
+// gather kernel runs at L2 bandwidth and the shared-memory gathers lose to bank conflicts (N 256:
+// 10.6 against 15.7 us). Returns whether it ran.
+template <int AB, bool AS, int BB>
+bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast) {
+  namespace sd = magicube::spmm_detail;
+  const char* env = std::getenv("MAGICUBE_SPMM_KERNEL");
+  const std::string choice = env ? env : "auto";
+  MAGICUBE_CHECK(choice == "auto" || choice == "gather" || choice == "resident",
+                 "MAGICUBE_SPMM_KERNEL must be auto, gather or resident, got ", choice);
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  const int64_t smem = (static_cast<int64_t>(p.k) + 1) * sd::kResidentSliceBytes;
+  if (choice == "gather" || !fast || smem > static_cast<int64_t>(props->sharedMemPerBlockOptin)) return false;
+  auto* kernel = sd::spmm_resident_kernel<AB, AS, BB>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, sd::kResidentThreads, smem));
+  const int64_t slices = (p.row_bytes + sd::kResidentSliceBytes - 1) / sd::kResidentSliceBytes;
+  const int64_t groups = std::clamp<int64_t>(props->multiProcessorCount * std::max(per_sm, 1) / (slices * bh), 1,
+                                             (vrows + sd::kResidentWarps - 1) / sd::kResidentWarps);
+  const int64_t ctas = groups * slices * bh;
+  const int64_t tile = sd::Kind<AB, AS, BB>::kTileBytes;
+  const bool pays = 4 * p.row_bytes <= tile || (2 * p.row_bytes <= tile && bh * nnz_pad * p.row_bytes >= ctas * (256 << 10));
+  if (choice == "auto" && !pays) return false;
+  MAGICUBE_CHECK(slices <= 65535, "spmm: N too large");
+  const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>(slices), static_cast<unsigned>(bh));
+  kernel<<<grid, sd::kResidentThreads, smem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
+}
+
 template <int AB, int BB>
 void launch_signed(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, bool fast, bool a_signed) {
   if (a_signed) launch<AB, true, BB>(p, vrows, bh, stream, fast);
   else launch<AB, false, BB>(p, vrows, bh, stream, fast);
+}
+
+// An integer pair: the resident-B kernel where it applies and pays, else the gather kernel.
+template <int AB, int BB>
+void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
+                 bool a_signed) {
+  if constexpr (BB == 8 || BB == 4) {
+    const bool ran = a_signed ? launch_resident<AB, true, BB>(p, vrows, bh, nnz_pad, stream, fast)
+                              : launch_resident<AB, false, BB>(p, vrows, bh, nnz_pad, stream, fast);
+    if (ran) return;
+  }
+  launch_signed<AB, BB>(p, vrows, bh, stream, fast, a_signed);
 }
 
 at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order,
@@ -162,17 +214,17 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   if (fp16) {
     launch<0, true, 0>(p, vrows, bh, stream, fast);
   } else if (a_bits == 8 && b_bits == 8) {
-    launch_signed<8, 8>(p, vrows, bh, stream, fast, a_signed);
+    launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, fast, a_signed);
   } else if (a_bits == 4 && b_bits == 4) {
-    launch_signed<4, 4>(p, vrows, bh, stream, fast, a_signed);
+    launch_pair<4, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed);
   } else if (a_bits >= 12 && b_bits == 8) {
-    launch_signed<16, 8>(p, vrows, bh, stream, fast, a_signed);
+    launch_pair<16, 8>(p, vrows, bh, nnz_pad, stream, fast, a_signed);
   } else if (a_bits >= 12 && b_bits == 16) {
-    launch_signed<16, 16>(p, vrows, bh, stream, fast, a_signed);
+    launch_pair<16, 16>(p, vrows, bh, nnz_pad, stream, fast, a_signed);
   } else if (a_bits == 8 && b_bits == 4) {
-    launch_signed<8, 4>(p, vrows, bh, stream, fast, a_signed);
+    launch_pair<8, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed);
   } else {
-    launch_signed<16, 4>(p, vrows, bh, stream, fast, a_signed);
+    launch_pair<16, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed);
   }
   return out;
 }

@@ -73,6 +73,7 @@ struct Params {
 template <int AB, bool AS, int BB>
 struct Kind {
   static constexpr bool kFp16 = AB == 0;
+  static constexpr int kABits = AB;
   static constexpr int kAPlanes = AB == 16 ? 2 : 1;
   static constexpr int kBPlanes = BB == 16 ? 2 : 1;
   static constexpr int kSparseRowBytes = kFp16 ? 64 : kSlots * AB / 8;
@@ -113,6 +114,98 @@ struct Kind {
   }
 };
 
+// The accumulators of MT m-tiles: int32 per bit-plane pair, their int64 folds, and the fp16
+// kind's fp32 ones.
+template <int AB, bool AS, int BB, int MT>
+struct Accumulators {
+  using K = Kind<AB, AS, BB>;
+  int acc[K::kAPlanes][K::kBPlanes][MT][4];
+  int64_t wide[MT][4];
+  float accf[MT][4];
+
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        wide[mt][j] = 0;
+        accf[mt][j] = 0.f;
+#pragma unroll
+        for (int pa = 0; pa < K::kAPlanes; ++pa)
+#pragma unroll
+          for (int pb = 0; pb < K::kBPlanes; ++pb) acc[pa][pb][mt][j] = 0;
+      }
+  }
+
+  __device__ __forceinline__ void fold() {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int pa = 0; pa < K::kAPlanes; ++pa)
+#pragma unroll
+          for (int pb = 0; pb < K::kBPlanes; ++pb) {
+            const int sh = 8 * ((K::kAPlanes - 1 - pa) + (K::kBPlanes - 1 - pb));
+            wide[mt][j] += static_cast<int64_t>(acc[pa][pb][mt][j]) << sh;
+            acc[pa][pb][mt][j] = 0;
+          }
+  }
+
+  // m-tile mt += dense fragment da (per B plane, plane 0 = high byte) x sparse fragment sb (per A
+  // plane): the high planes carry the sign, the low ones are unsigned.
+  __device__ __forceinline__ void mma(int mt, const uint32_t (&da)[K::kBPlanes][4],
+                                      const uint32_t (&sb)[K::kAPlanes][2]) {
+#pragma unroll
+    for (int pa = 0; pa < K::kAPlanes; ++pa)
+#pragma unroll
+      for (int pb = 0; pb < K::kBPlanes; ++pb) {
+        if (pb == 0) {
+          if (pa == 0) mma_16832<true, AS>(acc[pa][pb][mt], da[pb], sb[pa][0], sb[pa][1]);
+          else mma_16832<true, false>(acc[pa][pb][mt], da[pb], sb[pa][0], sb[pa][1]);
+        } else {
+          if (pa == 0) mma_16832<false, AS>(acc[pa][pb][mt], da[pb], sb[pa][0], sb[pa][1]);
+          else mma_16832<false, false>(acc[pa][pb][mt], da[pb], sb[pa][0], sb[pa][1]);
+        }
+      }
+  }
+};
+
+// The sparse MMA fragment (n = row g of the vector, k order as in Kind::smem_row) of one 32-slot
+// block, plane 0 = high byte (or the only plane); ld32 / ld64 read at a byte offset from the
+// block's first sparse row, wherever it lies. Rows past v are zero.
+template <class K, class Ld32, class Ld64>
+__device__ __forceinline__ void sparse_fragment(int g, int t, bool row_live, Ld32&& ld32, Ld64&& ld64,
+                                                uint32_t (&sb)[K::kAPlanes][2]) {
+#pragma unroll
+  for (int pa = 0; pa < K::kAPlanes; ++pa) sb[pa][0] = sb[pa][1] = 0;
+  if (!row_live) return;
+  const int row = g * K::kSparseRowBytes;
+  if constexpr (K::kABits == 8) {
+    sb[0][0] = ld32(row + 4 * t);
+    sb[0][1] = ld32(row + 16 + 4 * t);
+  } else if constexpr (K::kABits == 4) {
+    const uint32_t x = ld32(row + 4 * t);
+    sb[0][0] = low_nibbles_x16(x);
+    sb[0][1] = high_nibbles_x16(x);
+  } else {  // 16 bits: two byte planes
+    static_assert(K::kABits == 16, "integer sparse values only");
+    const uint2 w0 = ld64(row + 8 * t), w1 = ld64(row + 32 + 8 * t);
+    sb[0][0] = odd_bytes(w0.x, w0.y);
+    sb[0][1] = odd_bytes(w1.x, w1.y);
+    sb[1][0] = even_bytes(w0.x, w0.y);
+    sb[1][1] = even_bytes(w1.x, w1.y);
+  }
+}
+
+// An 8-bit dense fragment from ldmatrix.x4.trans registers (byte pairs -> bytes).
+__device__ __forceinline__ void dense8_fragment(const uint32_t (&r)[4], uint32_t (&da)[1][4]) {
+  da[0][0] = even_bytes(r[0], r[1]);
+  da[0][1] = odd_bytes(r[0], r[1]);
+  da[0][2] = even_bytes(r[2], r[3]);
+  da[0][3] = odd_bytes(r[2], r[3]);
+}
+
 __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
@@ -149,6 +242,108 @@ __device__ __forceinline__ void store_run(T* row, int c, int ncols, bool vec, co
 #pragma unroll
     for (int i = 0; i < W; ++i)
       if (c + i < ncols) row[c + i] = x[i];
+  }
+}
+
+// Writes vector row vrow of batch x head bh, output columns n0 + [0, 16 * MT) from this warp's
+// accumulators, after nblocks blocks: int64, or fp16 dequantized by the row and column scales.
+// Element j of m-tile mt is output row 2t + (j & 1) of the vector row and column
+// n0 + tile_col(mt, g + 8 * (j >> 1)). v is even, so a thread's two rows are both live or both not.
+template <int AB, bool AS, int BB, int MT>
+__device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<AB, AS, BB, MT>& r, int bh, int vrow,
+                                                 int n0, int nblocks) {
+  using K = Kind<AB, AS, BB>;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int v = p.v;
+  const int ncols = p.n - n0;
+  const bool rows_live = 2 * t < v;
+  const int64_t orow = (int64_t)bh * p.m + (int64_t)vrow * v + 2 * t;
+  auto col_of = [&](int mt, int j) { return K::tile_col(mt, g + 8 * (j >> 1)); };
+
+  // Stores fragment elements that are adjacent columns of one output row as one vector: (j, j+2)
+  // for 8-bit B; (2c, j), (2c+1, j), (2c, j+2), (2c+1, j+2) for 4-bit B. 16-bit and fp16 B hold
+  // columns g and g + 8, so neighbouring lanes swap halves to form pairs (int64 is stored singly).
+  auto store = [&](auto&& value) {
+    using T = std::remove_cv_t<std::remove_reference_t<decltype(value(0, 0))>>;
+    T* out = reinterpret_cast<T*>(p.out);
+    if constexpr (BB == 8 || BB == 4) {
+      constexpr int W = BB == 8 ? 2 : 4;
+      const bool vec = p.n % W == 0;
+#pragma unroll
+      for (int c = 0; c < MT * 2 / W; ++c)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          T x[W];
+          if constexpr (W == 2) {
+            x[0] = value(c, i);
+            x[1] = value(c, i + 2);
+          } else {
+            x[0] = value(2 * c, i);
+            x[1] = value(2 * c + 1, i);
+            x[2] = value(2 * c, i + 2);
+            x[3] = value(2 * c + 1, i + 2);
+          }
+          if (rows_live) store_run<W>(out + (orow + i) * p.n + n0, col_of(W == 2 ? c : 2 * c, 0), ncols, vec, x);
+        }
+    } else if constexpr (sizeof(T) == 2) {
+      const bool vec = p.n % 2 == 0;
+      const bool odd = g & 1;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const T h[4] = {value(mt, 0), value(mt, 1), value(mt, 2), value(mt, 3)};
+        const __half2 y = __shfl_xor_sync(0xffffffffu, odd ? __halves2half2(h[0], h[1]) : __halves2half2(h[2], h[3]), 4);
+        const T yr[2] = {__low2half(y), __high2half(y)};
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const T x[2] = {odd ? yr[i] : h[i], odd ? h[i + 2] : yr[i]};
+          if (rows_live) store_run<2>(out + (orow + i) * p.n + n0, col_of(mt, 0) + (odd ? 7 : 0), ncols, vec, x);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const T x[1] = {value(mt, j)};
+          if (rows_live) store_run<1>(out + (orow + (j & 1)) * p.n + n0, col_of(mt, j), ncols, true, x);
+        }
+    }
+  };
+
+  if constexpr (K::kFp16) {
+    store([&](int mt, int j) { return __float2half_rn(r.accf[mt][j]); });
+  } else {
+    auto dequantize = [&](auto&& integer) {
+      if (p.out_int64) {
+        store([&](int mt, int j) { return static_cast<int64_t>(integer(mt, j)); });
+      } else {
+        // All scales are loaded before the first store: `out` may alias them as far as the
+        // compiler knows, so later loads could not move above a store.
+        float sa[2] = {0.f, 0.f}, sb[MT][2];
+        if (rows_live) {
+          sa[0] = p.scale_a[orow];
+          sa[1] = p.scale_a[orow + 1];
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int c = col_of(mt, 2 * h);
+            sb[mt][h] = rows_live && c < ncols ? p.scale_b[(int64_t)bh * p.n + n0 + c] : 0.f;
+          }
+        store([&](int mt, int j) {
+          return __float2half_rn(to_float(integer(mt, j)) * (sa[j & 1] * sb[mt][j >> 1]));
+        });
+      }
+    };
+    // A single-plane accumulator that was never folded (the loop folds after kFlushBlocks
+    // blocks) holds the exact result in int32.
+    if (K::kAPlanes * K::kBPlanes == 1 && nblocks < kFlushBlocks) {
+      dequantize([&](int mt, int j) { return r.acc[0][0][mt][j] >> K::kShift; });
+    } else {
+      r.fold();
+      dequantize([&](int mt, int j) { return r.wide[mt][j] >> K::kShift; });
+    }
   }
 }
 
@@ -226,34 +421,8 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   };
 
   constexpr int kMT = K::kMTiles;
-  int acc[K::kAPlanes][K::kBPlanes][kMT][4];
-  int64_t wide[kMT][4];
-  float accf[kMT][4];
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      wide[mt][j] = 0;
-      accf[mt][j] = 0.f;
-#pragma unroll
-      for (int pa = 0; pa < K::kAPlanes; ++pa)
-#pragma unroll
-        for (int pb = 0; pb < K::kBPlanes; ++pb) acc[pa][pb][mt][j] = 0;
-    }
-  auto fold = [&]() {
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int pa = 0; pa < K::kAPlanes; ++pa)
-#pragma unroll
-          for (int pb = 0; pb < K::kBPlanes; ++pb) {
-            const int sh = 8 * ((K::kAPlanes - 1 - pa) + (K::kBPlanes - 1 - pb));
-            wide[mt][j] += static_cast<int64_t>(acc[pa][pb][mt][j]) << sh;
-            acc[pa][pb][mt][j] = 0;
-          }
-  };
+  Accumulators<AB, AS, BB, kMT> r;
+  r.zero();
 
   // ldmatrix lane address: matrix j = lane / 8 reads shared row 8j + lane % 8 (integer kinds).
   const int li = lane & 7, lm = lane >> 3;
@@ -261,95 +430,62 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
 
   auto compute = [&](int blk) {
     const uint32_t stage = smem0 + (blk % kStages) * kStageBytes;
-    const uint32_t sparse = stage + kDenseStage + g * K::kSparseRowBytes;
+    const uint32_t sparse0 = stage + kDenseStage;
     const bool row_live = g < v;
     if constexpr (K::kFp16) {
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks) {
         uint2 bw = make_uint2(0, 0);
-        if (row_live) bw = lds64(sparse + 32 * ks + 8 * t);
+        if (row_live) bw = lds64(sparse0 + g * K::kSparseRowBytes + 32 * ks + 8 * t);
         const int row = 16 * ks + 8 * (lm >> 1) + li;
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
           const int chunk = wchunk0 + 2 * mt + (lm & 1);
           uint32_t a[4];
           ldsm_x4_trans(stage + row * kTileBytes + ((chunk ^ li) * 16), a[0], a[1], a[2], a[3]);
-          mma_16816_f16(accf[mt], a, bw.x, bw.y);
+          mma_16816_f16(r.accf[mt], a, bw.x, bw.y);
         }
       }
     } else {
-      // Sparse fragment, plane 0 = high byte (or the only plane).
       uint32_t sb[K::kAPlanes][2];
-#pragma unroll
-      for (int pa = 0; pa < K::kAPlanes; ++pa) sb[pa][0] = sb[pa][1] = 0;
-      if (row_live) {
-        if constexpr (AB == 8) {
-          sb[0][0] = lds32(sparse + 4 * t);
-          sb[0][1] = lds32(sparse + 16 + 4 * t);
-        } else if constexpr (AB == 4) {
-          const uint32_t x = lds32(sparse + 4 * t);
-          sb[0][0] = low_nibbles_x16(x);
-          sb[0][1] = high_nibbles_x16(x);
-        } else {
-          const uint2 w0 = lds64(sparse + 8 * t), w1 = lds64(sparse + 32 + 8 * t);
-          sb[0][0] = odd_bytes(w0.x, w0.y);
-          sb[0][1] = odd_bytes(w1.x, w1.y);
-          sb[1][0] = even_bytes(w0.x, w0.y);
-          sb[1][1] = even_bytes(w1.x, w1.y);
-        }
-      }
+      sparse_fragment<K>(g, t, row_live, [&](int off) { return lds32(sparse0 + off); },
+                         [&](int off) { return lds64(sparse0 + off); }, sb);
       const uint32_t lrow = stage + (8 * lm + li) * kTileBytes;
-      auto ldsm = [&](int chunk, uint32_t (&r)[4]) {
-        ldsm_x4_trans(lrow + ((chunk ^ li) * 16), r[0], r[1], r[2], r[3]);
-      };
-      auto mma_planes = [&](int mt, const uint32_t (&da)[K::kBPlanes][4]) {
-#pragma unroll
-        for (int pa = 0; pa < K::kAPlanes; ++pa)
-#pragma unroll
-          for (int pb = 0; pb < K::kBPlanes; ++pb) {
-            constexpr bool kDenseHiSigned = true;
-            if (pb == 0) {
-              if (pa == 0) mma_16832<kDenseHiSigned, AS>(acc[pa][pb][mt], da[pb], sb[pa][0], sb[pa][1]);
-              else mma_16832<kDenseHiSigned, false>(acc[pa][pb][mt], da[pb], sb[pa][0], sb[pa][1]);
-            } else {
-              if (pa == 0) mma_16832<false, AS>(acc[pa][pb][mt], da[pb], sb[pa][0], sb[pa][1]);
-              else mma_16832<false, false>(acc[pa][pb][mt], da[pb], sb[pa][0], sb[pa][1]);
-            }
-          }
+      auto ldsm = [&](int chunk, uint32_t (&q)[4]) {
+        ldsm_x4_trans(lrow + ((chunk ^ li) * 16), q[0], q[1], q[2], q[3]);
       };
       if constexpr (BB == 8) {
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-          uint32_t r[4];
-          ldsm(wchunk0 + mt, r);
-          const uint32_t da[1][4] = {{even_bytes(r[0], r[1]), odd_bytes(r[0], r[1]), even_bytes(r[2], r[3]),
-                                      odd_bytes(r[2], r[3])}};
-          mma_planes(mt, da);
+          uint32_t q[4], da[1][4];
+          ldsm(wchunk0 + mt, q);
+          dense8_fragment(q, da);
+          r.mma(mt, da, sb);
         }
       } else if constexpr (BB == 4) {
 #pragma unroll
         for (int c = 0; c < K::kWarpChunks; ++c) {
-          uint32_t r[4];
-          ldsm(wchunk0 + c, r);
-          const uint32_t x01 = even_bytes(r[0], r[1]), y01 = odd_bytes(r[0], r[1]);
-          const uint32_t x23 = even_bytes(r[2], r[3]), y23 = odd_bytes(r[2], r[3]);
+          uint32_t q[4];
+          ldsm(wchunk0 + c, q);
+          const uint32_t x01 = even_bytes(q[0], q[1]), y01 = odd_bytes(q[0], q[1]);
+          const uint32_t x23 = even_bytes(q[2], q[3]), y23 = odd_bytes(q[2], q[3]);
           const uint32_t lo[1][4] = {{low_nibbles_x16(x01), low_nibbles_x16(y01), low_nibbles_x16(x23),
                                       low_nibbles_x16(y23)}};
           const uint32_t hi[1][4] = {{high_nibbles_x16(x01), high_nibbles_x16(y01), high_nibbles_x16(x23),
                                       high_nibbles_x16(y23)}};
-          mma_planes(2 * c, lo);
-          mma_planes(2 * c + 1, hi);
+          r.mma(2 * c, lo, sb);
+          r.mma(2 * c + 1, hi, sb);
         }
       } else {
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-          uint32_t r[4], s[4];
-          ldsm(wchunk0 + 2 * mt, r);
-          ldsm(wchunk0 + 2 * mt + 1, s);
+          uint32_t q[4], u[4];
+          ldsm(wchunk0 + 2 * mt, q);
+          ldsm(wchunk0 + 2 * mt + 1, u);
           const uint32_t da[2][4] = {
-              {odd_bytes(r[0], r[1]), odd_bytes(s[0], s[1]), odd_bytes(r[2], r[3]), odd_bytes(s[2], s[3])},
-              {even_bytes(r[0], r[1]), even_bytes(s[0], s[1]), even_bytes(r[2], r[3]), even_bytes(s[2], s[3])}};
-          mma_planes(mt, da);
+              {odd_bytes(q[0], q[1]), odd_bytes(u[0], u[1]), odd_bytes(q[2], q[3]), odd_bytes(u[2], u[3])},
+              {even_bytes(q[0], q[1]), even_bytes(u[0], u[1]), even_bytes(q[2], q[3]), even_bytes(u[2], u[3])}};
+          r.mma(mt, da, sb);
         }
       }
     }
@@ -378,107 +514,137 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
     compute(it);
     if constexpr (!K::kFp16) {
       if (++since_fold == kFlushBlocks) {
-        fold();
+        r.fold();
         since_fold = 0;
       }
     }
   }
   // Every block that carried data was waited for in the loop, and the epilogue reads no shared
   // memory, so no barrier remains.
-  //
-  // Epilogue straight from the accumulator fragments: element j of m-tile mt is output row
-  // 2t + (j & 1) of the vector row and warp-tile column tile_col(mt, g + 8 * (j >> 1)). v is even,
-  // so a thread's two rows are both live or both not.
-  const int n0 = blockIdx.y * K::kTileCols + wchunk0 * K::kColsPerChunk;
-  const int ncols = p.n - n0;
-  const bool rows_live = 2 * t < v;
-  const int64_t orow = (int64_t)bh * p.m + (int64_t)vrow * v + 2 * t;
-  auto col_of = [&](int mt, int j) { return K::tile_col(mt, g + 8 * (j >> 1)); };
+  write_vector_row<AB, AS, BB, kMT>(p, r, bh, vrow, blockIdx.y * K::kTileCols + wchunk0 * K::kColsPerChunk,
+                                    nblocks);
+}
 
-  // Stores fragment elements that are adjacent columns of one output row as one vector: (j, j+2)
-  // for 8-bit B; (2c, j), (2c+1, j), (2c, j+2), (2c+1, j+2) for 4-bit B. 16-bit and fp16 B hold
-  // columns g and g + 8, so neighbouring lanes swap halves to form pairs (int64 is stored singly).
-  auto store = [&](auto&& value) {
-    using T = std::remove_cv_t<std::remove_reference_t<decltype(value(0, 0))>>;
-    T* out = reinterpret_cast<T*>(p.out);
-    if constexpr (BB == 8 || BB == 4) {
-      constexpr int W = BB == 8 ? 2 : 4;
-      const bool vec = p.n % W == 0;
-#pragma unroll
-      for (int c = 0; c < kMT * 2 / W; ++c)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          T x[W];
-          if constexpr (W == 2) {
-            x[0] = value(c, r);
-            x[1] = value(c, r + 2);
-          } else {
-            x[0] = value(2 * c, r);
-            x[1] = value(2 * c + 1, r);
-            x[2] = value(2 * c, r + 2);
-            x[3] = value(2 * c + 1, r + 2);
-          }
-          if (rows_live) store_run<W>(out + (orow + r) * p.n + n0, col_of(W == 2 ? c : 2 * c, 0), ncols, vec, x);
-        }
-    } else if constexpr (sizeof(T) == 2) {
-      const bool vec = p.n % 2 == 0;
-      const bool odd = g & 1;
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        const T h[4] = {value(mt, 0), value(mt, 1), value(mt, 2), value(mt, 3)};
-        const __half2 y = __shfl_xor_sync(0xffffffffu, odd ? __halves2half2(h[0], h[1]) : __halves2half2(h[2], h[3]), 4);
-        const T yr[2] = {__low2half(y), __high2half(y)};
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const T x[2] = {odd ? yr[r] : h[r], odd ? h[r + 2] : yr[r]};
-          if (rows_live) store_run<2>(out + (orow + r) * p.n + n0, col_of(mt, 0) + (odd ? 7 : 0), ncols, vec, x);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const T x[1] = {value(mt, j)};
-          if (rows_live) store_run<1>(out + (orow + (j & 1)) * p.n + n0, col_of(mt, j), ncols, true, x);
-        }
-    }
-  };
+// Resident B (8- and 4-bit B): one CTA holds a 32-byte column slice of B[bh] for every k in shared
+// memory, (K + 1) rows of 32 bytes with row K zero, and its warps run vector rows of that slice
+// one after another. The gather kernel above re-reads a B row slice from L2 for every kept vector:
+// 54 MB at the SpMM target (M = K = 4096, N = 256, V = 8, sparsity 0.9) against B's 1 MB, and it
+// runs at L2 bandwidth (10.5 us on an H100). Here each CTA reads its slice once (K * 32 bytes)
+// and the gathers become ldmatrix reads of shared memory at gathered row addresses: no copy
+// stage, no barrier after the load. A warp reads the block's column indices (one per lane) and
+// its sparse fragment straight from global memory, kAhead blocks ahead, then per block one
+// shuffle hands every lane the row of the slot its ldmatrix address serves (the same slot order
+// as the copied tile of the gather kernel, so the fragments are identical).
+constexpr int kResidentWarps = 16;
+constexpr int kResidentThreads = 32 * kResidentWarps;
+constexpr int kResidentSliceBytes = 32;  // two 16-byte chunks: 32 columns of 8-bit B, 64 of 4-bit
 
-  if constexpr (K::kFp16) {
-    store([&](int mt, int j) { return __float2half_rn(accf[mt][j]); });
-  } else {
-    auto dequantize = [&](auto&& integer) {
-      if (p.out_int64) {
-        store([&](int mt, int j) { return static_cast<int64_t>(integer(mt, j)); });
-      } else {
-        // All scales are loaded before the first store: `out` may alias them as far as the
-        // compiler knows, so later loads could not move above a store.
-        float sa[2] = {0.f, 0.f}, sb[kMT][2];
-        if (rows_live) {
-          sa[0] = p.scale_a[orow];
-          sa[1] = p.scale_a[orow + 1];
-        }
+// Byte offset of 16-byte chunk `chunk` of B row `row` in the slice. One ldmatrix phase reads one
+// chunk of 8 gathered rows; unswizzled, a chunk of 32-byte rows could only sit in 4 of the 8
+// 16-byte bank groups, so the chunks of rows 4-7 of every 8 swap places and rows of distinct
+// row % 8 never conflict.
+__device__ __forceinline__ uint32_t slice_offset(int row, int chunk) {
+  return row * kResidentSliceBytes + ((chunk ^ ((row >> 2) & 1)) << 4);
+}
+
+template <int AB, bool AS, int BB>
+__global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const Params p) {
+  static_assert(BB == 8 || BB == 4, "8- or 4-bit B");
+  using K = Kind<AB, AS, BB>;
+  constexpr int kChunks = kResidentSliceBytes / 16;
+  constexpr int kMT = kChunks * K::kColsPerChunk / 16;
+  // Blocks whose indices and sparse values are in flight: 4, or 2 where 16-bit values and four
+  // m-tiles would otherwise spill at 128 registers.
+  constexpr int kAhead = K::kAPlanes * kMT > 4 ? 2 : 4;
+  extern __shared__ __align__(128) uint8_t slice[];
+  const uint32_t slice0 = smem_addr(slice);
+  const int bh = blockIdx.z;
+  const int byte0 = blockIdx.y * kResidentSliceBytes;
+  const uint8_t* b_bh = p.b + bh * p.b_bh_bytes;
+  for (int i = threadIdx.x; i < 2 * (p.k + 1); i += kResidentThreads) {
+    const int row = i >> 1, chunk = i & 1;
+    const int byte = byte0 + 16 * chunk;
+    const bool in = row < p.k && byte < p.row_bytes;
+    cp_async16(slice0 + slice_offset(row, chunk), in ? b_bh + (int64_t)row * p.row_bytes + byte : p.b, in ? 16 : 0);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  // The slot whose row this lane's ldmatrix address reads: Kind::smem_row inverted.
+  int my_slot = 0;
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
+  for (int s = 0; s < kSlots; ++s)
+    if (K::smem_row(s) == lane) my_slot = s;
+  const int v = p.v;
+  const bool row_live = g < v;
+  const int vrows = p.m / v;
+  const int warps = gridDim.x * kResidentWarps;
+  for (int w = blockIdx.x * kResidentWarps + (threadIdx.x >> 5); w < vrows; w += warps) {
+    const int vrow = p.row_order[w];
+    const int start = p.row_ptr[2 * vrow];
+    const int nblocks = (p.row_ptr[2 * vrow + 1] - start + kSlots - 1) / kSlots;
+    const int* cols = p.col_idx + start;
+    const uint8_t* a_row = p.a + bh * p.a_bh_bytes + (int64_t)start * v * K::kSparseRowBytes / kSlots;
+
+    int col_next[kAhead];
+    uint32_t sb_next[kAhead][K::kAPlanes][2];
+    auto fetch = [&](int blk0) {
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int c = col_of(mt, 2 * h);
-            sb[mt][h] = rows_live && c < ncols ? p.scale_b[(int64_t)bh * p.n + n0 + c] : 0.f;
-          }
-        store([&](int mt, int j) {
-          return __float2half_rn(to_float(integer(mt, j)) * (sa[j & 1] * sb[mt][j >> 1]));
-        });
+      for (int j = 0; j < kAhead; ++j) {
+        const int blk = blk0 + j;
+        const bool in = blk < nblocks;
+        col_next[j] = in ? cols[blk * kSlots + lane] : -1;
+        const uint8_t* a_blk = a_row + (int64_t)blk * v * K::kSparseRowBytes;
+        sparse_fragment<K>(g, t, row_live && in,
+                           [&](int off) { return *reinterpret_cast<const uint32_t*>(a_blk + off); },
+                           [&](int off) { return *reinterpret_cast<const uint2*>(a_blk + off); }, sb_next[j]);
       }
     };
-    // A single-plane accumulator that was never folded (the loop folds after kFlushBlocks
-    // blocks) holds the exact result in int32.
-    if (K::kAPlanes * K::kBPlanes == 1 && nblocks < kFlushBlocks) {
-      dequantize([&](int mt, int j) { return acc[0][0][mt][j] >> K::kShift; });
-    } else {
-      fold();
-      dequantize([&](int mt, int j) { return wide[mt][j] >> K::kShift; });
+    Accumulators<AB, AS, BB, kMT> r;
+    r.zero();
+    int since_fold = 0;
+    fetch(0);
+    for (int blk0 = 0; blk0 < nblocks; blk0 += kAhead) {
+      int col[kAhead];
+      uint32_t sb[kAhead][K::kAPlanes][2];
+#pragma unroll
+      for (int j = 0; j < kAhead; ++j) {
+        col[j] = col_next[j];
+#pragma unroll
+        for (int pa = 0; pa < K::kAPlanes; ++pa) sb[j][pa][0] = sb_next[j][pa][0], sb[j][pa][1] = sb_next[j][pa][1];
+      }
+      fetch(blk0 + kAhead);
+#pragma unroll
+      for (int j = 0; j < kAhead; ++j) {
+        if (blk0 + j >= nblocks) break;
+        // Dead slots (padding) read the zero row K.
+        const int c = col[j] >= 0 && col[j] < p.k ? col[j] : p.k;
+        const int row = __shfl_sync(0xffffffffu, c, my_slot);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          uint32_t q[4], da[1][4];
+          ldsm_x4_trans(slice0 + slice_offset(row, c), q[0], q[1], q[2], q[3]);
+          dense8_fragment(q, da);
+          if constexpr (BB == 8) {
+            r.mma(c, da, sb[j]);
+          } else {
+            const uint32_t lo[1][4] = {{low_nibbles_x16(da[0][0]), low_nibbles_x16(da[0][1]),
+                                        low_nibbles_x16(da[0][2]), low_nibbles_x16(da[0][3])}};
+            const uint32_t hi[1][4] = {{high_nibbles_x16(da[0][0]), high_nibbles_x16(da[0][1]),
+                                        high_nibbles_x16(da[0][2]), high_nibbles_x16(da[0][3])}};
+            r.mma(2 * c, lo, sb[j]);
+            r.mma(2 * c + 1, hi, sb[j]);
+          }
+        }
+        if (++since_fold == kFlushBlocks) {
+          r.fold();
+          since_fold = 0;
+        }
+      }
     }
+    write_vector_row<AB, AS, BB, kMT>(p, r, bh, vrow, blockIdx.y * K::kColsPerChunk * kChunks, nblocks);
   }
 }
 

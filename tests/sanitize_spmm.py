@@ -6,6 +6,7 @@
 Exits non-zero if a result differs from the reference.
 """
 
+import os
 import sys
 
 import torch
@@ -20,38 +21,41 @@ def main() -> int:
     extension.load("spmm")
     bad = 0
     g = torch.Generator().manual_seed(0)
-    for v in (2, 8):
-        mask = random_vector_mask(5 * v, 130, v, 0.7, seed=v).mask.clone()
-        mask[0] = False
-        mask[2] = True
-        from magicube.ops import VectorMask
+    # Both kernels: the resident-B one (8- and 4-bit B on 16-byte rows) runs here only when asked for.
+    for kernel in ("gather", "resident"):
+        os.environ["MAGICUBE_SPMM_KERNEL"] = kernel
+        for v in (2, 8):
+            mask = random_vector_mask(5 * v, 130, v, 0.7, seed=v).mask.clone()
+            mask[0] = False
+            mask[2] = True
+            from magicube.ops import VectorMask
 
-        vm = VectorMask(mask, v)
-        p = SRBCRS.from_mask(vm, stride=32)
-        cuda = p.to("cuda")
-        emask = vm.to_dense()
-        # N = 36: misaligned rows (generic copies); N = 144: 16-byte copies with a partial tile.
-        for n in (36, 144):
-            for a_bits, b_bits, a_signed in KINDS + [(0, 0, True)]:
-                bh = 2
-                if a_bits == 0:
-                    a = (torch.randn(bh, p.m, 130, generator=g) * emask).half()
-                    b = torch.randn(bh, 130, n, generator=g).half()
-                    args = (p.pack_values(a), b, None, None, v, p.m, 16, True, 16, torch.float16)
-                else:
-                    lo, hi = (-(1 << (a_bits - 1)), 1 << (a_bits - 1)) if a_signed else (0, 1 << a_bits)
-                    a = torch.randint(lo, hi, (bh, p.m, 130), generator=g) * emask
-                    b = torch.randint(-(1 << (b_bits - 1)), 1 << (b_bits - 1), (bh, 130, n), generator=g)
-                    args = (to_container(p.pack_values(a), a_bits, a_signed), to_container(b, b_bits), None, None, v,
-                            p.m, a_bits, a_signed, b_bits, torch.int64)
-                dev = [x.cuda() if isinstance(x, torch.Tensor) else x for x in args]
-                got = torch.ops.magicube_cuda.spmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev).cpu()
-                want = torch.ops.magicube.spmm(p.row_ptr, p.col_idx, p.row_order, *args)
-                ok = torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2) if a_bits == 0 else \
-                    torch.equal(got, want)
-                if not ok:
-                    bad += 1
-                    print(f"MISMATCH v={v} n={n} a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
+            vm = VectorMask(mask, v)
+            p = SRBCRS.from_mask(vm, stride=32)
+            cuda = p.to("cuda")
+            emask = vm.to_dense()
+            # N = 36: misaligned rows (generic copies); N = 144: 16-byte copies with a partial tile.
+            for n in (36, 144):
+                for a_bits, b_bits, a_signed in KINDS + [(0, 0, True)]:
+                    bh = 2
+                    if a_bits == 0:
+                        a = (torch.randn(bh, p.m, 130, generator=g) * emask).half()
+                        b = torch.randn(bh, 130, n, generator=g).half()
+                        args = (p.pack_values(a), b, None, None, v, p.m, 16, True, 16, torch.float16)
+                    else:
+                        lo, hi = (-(1 << (a_bits - 1)), 1 << (a_bits - 1)) if a_signed else (0, 1 << a_bits)
+                        a = torch.randint(lo, hi, (bh, p.m, 130), generator=g) * emask
+                        b = torch.randint(-(1 << (b_bits - 1)), 1 << (b_bits - 1), (bh, 130, n), generator=g)
+                        args = (to_container(p.pack_values(a), a_bits, a_signed), to_container(b, b_bits), None, None, v,
+                                p.m, a_bits, a_signed, b_bits, torch.int64)
+                    dev = [x.cuda() if isinstance(x, torch.Tensor) else x for x in args]
+                    got = torch.ops.magicube_cuda.spmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev).cpu()
+                    want = torch.ops.magicube.spmm(p.row_ptr, p.col_idx, p.row_order, *args)
+                    ok = torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2) if a_bits == 0 else \
+                        torch.equal(got, want)
+                    if not ok:
+                        bad += 1
+                        print(f"MISMATCH {kernel} v={v} n={n} a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
     torch.cuda.synchronize()
     print("sanitize_spmm:", "ok" if not bad else f"{bad} mismatches")
     return 1 if bad else 0

@@ -30,6 +30,19 @@ def kernels():
     return load_kernels("spmm")
 
 
+@pytest.fixture(autouse=True, params=["gather", "resident"])
+def spmm_kernel(request, monkeypatch):
+    """Each test of 8- or 4-bit B runs both SpMM kernels: the gather kernel, and the resident-B
+    kernel, which the automatic choice takes on narrow B. Where the resident kernel does not apply
+    (dense rows not on 16 bytes, B's slice past shared memory) the gather kernel runs."""
+    callspec = getattr(request.node, "callspec", None)
+    b_bits = callspec.params.get("b_bits") if callspec else None
+    if request.param == "resident" and b_bits not in (8, 4):
+        pytest.skip("the resident-B kernel takes 8- and 4-bit B")
+    monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", request.param)
+    return request.param
+
+
 def _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, out_dtype):
     """The kernel on CUDA copies, and the reference on the CPU tensors."""
     cuda = p.to("cuda")
@@ -142,6 +155,24 @@ def test_fold_boundary(kernels, a_bits, b_bits, blocks):
     sa, sb = _scales(1, p.m, n, g, a_bits, b_bits)
     got, want = _run(kernels, p, a_values, b, sa, sb, v, a_bits, True, b_bits, torch.float16)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("v", [2, 8])
+@pytest.mark.parametrize("a_bits, b_bits, a_signed", [(8, 8, True), (16, 8, False), (8, 4, True), (4, 4, False)],
+                         ids=["L8-R8", "L16u-R8", "L8-R4", "L4u-R4"])
+def test_warps_take_several_rows(kernels, a_bits, b_bits, a_signed, v):
+    """Enough batch x heads and column slices for one resident-B CTA per slice, so that each warp
+    runs several vector rows (an empty one and a full one among them); 16-byte dense rows with a
+    partial last 32-byte slice."""
+    bh, rows, k, n = 5, 45, 300, 32 * 27 + 16
+    g = torch.Generator().manual_seed(v)
+    p, emask = problem(bh, rows, k, v, 0.7, seed=v, shuffle=True)
+    a_values, b = _inputs(p, emask, bh, k, n, a_bits, a_signed, b_bits, g)
+    got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64)
+    assert torch.equal(got, want), f"{(got != want).sum()} mismatches"
+    sa, sb = _scales(bh, p.m, n, g, a_bits, b_bits)
+    got, want = _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, torch.float16)
+    assert torch.equal(got, want), "fp16 output differs"
 
 
 @pytest.mark.parametrize("n", [37, 6])
