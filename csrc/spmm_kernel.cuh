@@ -553,9 +553,9 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
   using K = Kind<AB, AS, BB>;
   constexpr int kChunks = kResidentSliceBytes / 16;
   constexpr int kMT = kChunks * K::kColsPerChunk / 16;
-  // Blocks whose indices and sparse values are in flight: 4, or 2 where 16-bit values and four
-  // m-tiles would otherwise spill at 128 registers.
-  constexpr int kAhead = K::kAPlanes * kMT > 4 ? 2 : 4;
+  // Blocks whose indices and sparse values are in flight: 4, or 2 where four would spill at 128
+  // registers (16-bit values with four m-tiles, and L4-R4).
+  constexpr int kAhead = K::kAPlanes * kMT > 4 || (AB == 4 && BB == 4) ? 2 : 4;
   extern __shared__ __align__(128) uint8_t slice[];
   const uint32_t slice0 = smem_addr(slice);
   const int bh = blockIdx.z;
@@ -568,8 +568,6 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
     cp_async16(slice0 + slice_offset(row, chunk), in ? b_bh + (int64_t)row * p.row_bytes + byte : p.b, in ? 16 : 0);
   }
   cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
 
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   // The slot whose row this lane's ldmatrix address reads: Kind::smem_row inverted.
@@ -581,70 +579,109 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
   const bool row_live = g < v;
   const int vrows = p.m / v;
   const int warps = gridDim.x * kResidentWarps;
-  for (int w = blockIdx.x * kResidentWarps + (threadIdx.x >> 5); w < vrows; w += warps) {
-    const int vrow = p.row_order[w];
-    const int start = p.row_ptr[2 * vrow];
-    const int nblocks = (p.row_ptr[2 * vrow + 1] - start + kSlots - 1) / kSlots;
-    const int* cols = p.col_idx + start;
-    const uint8_t* a_row = p.a + bh * p.a_bh_bytes + (int64_t)start * v * K::kSparseRowBytes / kSlots;
+  const int first = blockIdx.x * kResidentWarps + (threadIdx.x >> 5);
+  const uint8_t* a_bh = p.a + bh * p.a_bh_bytes;
 
-    int col_next[kAhead];
-    uint32_t sb_next[kAhead][K::kAPlanes][2];
-    auto fetch = [&](int blk0) {
+  // A warp's rows are first + i * warps. Their pattern entries are read 32 rows at a time, lane i
+  // holding row i's, so that no row waits on the chain row_order -> row_ptr -> col_idx; and the
+  // first blocks of the next row are fetched while the last ones of the current row compute.
+  struct Row {
+    int vrow, start, nblocks;
+  };
+  Row mine{0, 0, 0};
+  auto load_rows = [&](int base) {
+    const int w = base + lane * warps;
+    mine = Row{0, 0, 0};
+    if (w < vrows) {
+      mine.vrow = p.row_order[w];
+      mine.start = p.row_ptr[2 * mine.vrow];
+      mine.nblocks = (p.row_ptr[2 * mine.vrow + 1] - mine.start + kSlots - 1) / kSlots;
+    }
+  };
+  auto row_at = [&](int i) {
+    return Row{__shfl_sync(0xffffffffu, mine.vrow, i), __shfl_sync(0xffffffffu, mine.start, i),
+               __shfl_sync(0xffffffffu, mine.nblocks, i)};
+  };
+
+  int col_next[kAhead];
+  uint32_t sb_next[kAhead][K::kAPlanes][2];
+  auto fetch = [&](const Row& row, int blk0) {
+    const int* cols = p.col_idx + row.start;
+    const uint8_t* a_row = a_bh + (int64_t)row.start * v * K::kSparseRowBytes / kSlots;
 #pragma unroll
-      for (int j = 0; j < kAhead; ++j) {
-        const int blk = blk0 + j;
-        const bool in = blk < nblocks;
-        col_next[j] = in ? cols[blk * kSlots + lane] : -1;
-        const uint8_t* a_blk = a_row + (int64_t)blk * v * K::kSparseRowBytes;
-        sparse_fragment<K>(g, t, row_live && in,
-                           [&](int off) { return *reinterpret_cast<const uint32_t*>(a_blk + off); },
-                           [&](int off) { return *reinterpret_cast<const uint2*>(a_blk + off); }, sb_next[j]);
-      }
-    };
-    Accumulators<AB, AS, BB, kMT> r;
-    r.zero();
-    int since_fold = 0;
-    fetch(0);
-    for (int blk0 = 0; blk0 < nblocks; blk0 += kAhead) {
-      int col[kAhead];
-      uint32_t sb[kAhead][K::kAPlanes][2];
+    for (int j = 0; j < kAhead; ++j) {
+      const int blk = blk0 + j;
+      const bool in = blk < row.nblocks;
+      col_next[j] = in ? cols[blk * kSlots + lane] : -1;
+      const uint8_t* a_blk = a_row + (int64_t)blk * v * K::kSparseRowBytes;
+      sparse_fragment<K>(g, t, row_live && in,
+                         [&](int off) { return *reinterpret_cast<const uint32_t*>(a_blk + off); },
+                         [&](int off) { return *reinterpret_cast<const uint2*>(a_blk + off); }, sb_next[j]);
+    }
+  };
+
+  // The first rows' entries and blocks load while the slice does.
+  if (first < vrows) {
+    load_rows(first);
+    fetch(row_at(0), 0);
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  for (int base = first; base < vrows; base += 32 * warps) {
+    if (base != first) {
+      load_rows(base);
+      fetch(row_at(0), 0);
+    }
+    const int rows = min(32, (vrows - base + warps - 1) / warps);
+    for (int i = 0; i < rows; ++i) {
+      const Row row = row_at(i);
+      const bool has_next = i + 1 < rows;
+      Accumulators<AB, AS, BB, kMT> r;
+      r.zero();
+      int since_fold = 0;
+      if (row.nblocks == 0 && has_next) fetch(row_at(i + 1), 0);
+      for (int blk0 = 0; blk0 < row.nblocks; blk0 += kAhead) {
+        int col[kAhead];
+        uint32_t sb[kAhead][K::kAPlanes][2];
 #pragma unroll
-      for (int j = 0; j < kAhead; ++j) {
-        col[j] = col_next[j];
+        for (int j = 0; j < kAhead; ++j) {
+          col[j] = col_next[j];
 #pragma unroll
-        for (int pa = 0; pa < K::kAPlanes; ++pa) sb[j][pa][0] = sb_next[j][pa][0], sb[j][pa][1] = sb_next[j][pa][1];
-      }
-      fetch(blk0 + kAhead);
+          for (int pa = 0; pa < K::kAPlanes; ++pa) sb[j][pa][0] = sb_next[j][pa][0], sb[j][pa][1] = sb_next[j][pa][1];
+        }
+        if (blk0 + kAhead < row.nblocks) fetch(row, blk0 + kAhead);
+        else if (has_next) fetch(row_at(i + 1), 0);
 #pragma unroll
-      for (int j = 0; j < kAhead; ++j) {
-        if (blk0 + j >= nblocks) break;
-        // Dead slots (padding) read the zero row K.
-        const int c = col[j] >= 0 && col[j] < p.k ? col[j] : p.k;
-        const int row = __shfl_sync(0xffffffffu, c, my_slot);
+        for (int j = 0; j < kAhead; ++j) {
+          if (blk0 + j >= row.nblocks) break;
+          // Dead slots (padding) read the zero row K.
+          const int live = col[j] >= 0 && col[j] < p.k ? col[j] : p.k;
+          const int krow = __shfl_sync(0xffffffffu, live, my_slot);
 #pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-          uint32_t q[4], da[1][4];
-          ldsm_x4_trans(slice0 + slice_offset(row, c), q[0], q[1], q[2], q[3]);
-          dense8_fragment(q, da);
-          if constexpr (BB == 8) {
-            r.mma(c, da, sb[j]);
-          } else {
-            const uint32_t lo[1][4] = {{low_nibbles_x16(da[0][0]), low_nibbles_x16(da[0][1]),
-                                        low_nibbles_x16(da[0][2]), low_nibbles_x16(da[0][3])}};
-            const uint32_t hi[1][4] = {{high_nibbles_x16(da[0][0]), high_nibbles_x16(da[0][1]),
-                                        high_nibbles_x16(da[0][2]), high_nibbles_x16(da[0][3])}};
-            r.mma(2 * c, lo, sb[j]);
-            r.mma(2 * c + 1, hi, sb[j]);
+          for (int c = 0; c < kChunks; ++c) {
+            uint32_t q[4], da[1][4];
+            ldsm_x4_trans(slice0 + slice_offset(krow, c), q[0], q[1], q[2], q[3]);
+            dense8_fragment(q, da);
+            if constexpr (BB == 8) {
+              r.mma(c, da, sb[j]);
+            } else {
+              const uint32_t lo[1][4] = {{low_nibbles_x16(da[0][0]), low_nibbles_x16(da[0][1]),
+                                          low_nibbles_x16(da[0][2]), low_nibbles_x16(da[0][3])}};
+              const uint32_t hi[1][4] = {{high_nibbles_x16(da[0][0]), high_nibbles_x16(da[0][1]),
+                                          high_nibbles_x16(da[0][2]), high_nibbles_x16(da[0][3])}};
+              r.mma(2 * c, lo, sb[j]);
+              r.mma(2 * c + 1, hi, sb[j]);
+            }
+          }
+          if (++since_fold == kFlushBlocks) {
+            r.fold();
+            since_fold = 0;
           }
         }
-        if (++since_fold == kFlushBlocks) {
-          r.fold();
-          since_fold = 0;
-        }
       }
+      write_vector_row<AB, AS, BB, kMT>(p, r, bh, row.vrow, blockIdx.y * K::kColsPerChunk * kChunks, row.nblocks);
     }
-    write_vector_row<AB, AS, BB, kMT>(p, r, bh, vrow, blockIdx.y * K::kColsPerChunk * kChunks, nblocks);
   }
 }
 

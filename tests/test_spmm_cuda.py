@@ -161,10 +161,11 @@ def test_fold_boundary(kernels, a_bits, b_bits, blocks):
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", [(8, 8, True), (16, 8, False), (8, 4, True), (4, 4, False)],
                          ids=["L8-R8", "L16u-R8", "L8-R4", "L4u-R4"])
 def test_warps_take_several_rows(kernels, a_bits, b_bits, a_signed, v):
-    """Enough batch x heads and column slices for one resident-B CTA per slice, so that each warp
-    runs several vector rows (an empty one and a full one among them); 16-byte dense rows with a
-    partial last 32-byte slice."""
-    bh, rows, k, n = 5, 45, 300, 32 * 27 + 16
+    """Enough batch x heads and column slices for one resident-B CTA per slice, so that each of
+    its 16 warps runs several vector rows (an empty one and a full one among them; with V = 2 more
+    than the 32 whose pattern entries a warp reads at once); 16-byte dense rows with a partial
+    last 32-byte slice."""
+    bh, rows, k, n = 5, 600 if v == 2 else 45, 300, 32 * 27 + 16
     g = torch.Generator().manual_seed(v)
     p, emask = problem(bh, rows, k, v, 0.7, seed=v, shuffle=True)
     a_values, b = _inputs(p, emask, bh, k, n, a_bits, a_signed, b_bits, g)
