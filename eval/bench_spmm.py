@@ -25,7 +25,7 @@ from magicube.ops import SRBCRS, extension, random_vector_mask, to_container
 
 PAIRS = [(8, 8), (4, 4), (16, 8), (16, 16), (8, 4), (16, 4), (12, 4)]
 FULL = dict(sparsity=[0.5, 0.7, 0.8, 0.9, 0.95, 0.98], v=[2, 4, 8], n=[128, 256, 512], mk=[512, 1024, 2048, 4096])
-QUICK = dict(sparsity=[0.7, 0.9, 0.98], v=[2, 8], n=[256], mk=[1024, 4096])
+QUICK = dict(sparsity=[0.7, 0.9, 0.98], v=[2, 8], n=[128, 256], mk=[1024, 4096])
 INNER = 20
 TARGET = dict(pair="L8-R8", v=8, sparsity=0.9, mk=4096, n=256)
 
