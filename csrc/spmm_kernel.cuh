@@ -9,9 +9,13 @@
 // stacking other vector rows into those columns (which would need their own gathered rows) buys
 // nothing here.
 //
-// One CTA = one vector row x a kTileBytes-wide slice of B's rows; 4 warps split the slice. Per
-// 32-slot block, the 32 gathered dense rows go to shared memory through a 4-stage cp.async
-// pipeline. The gather is the limiter: every kept vector re-reads a whole row slice of B from L2
+// Two kernels. The gather kernel (spmm_kernel) suits wide B; the resident-B kernel
+// (spmm_resident_kernel, at the end of this file) suits narrow B, as the attention pipeline's
+// P x V with N = head dim, and is described there. The host picks one (csrc/spmm.cu).
+//
+// Gather kernel: one CTA = one vector row x a kTileBytes-wide slice of B's rows; 4 warps split
+// the slice. Per 32-slot block, the 32 gathered dense rows go to shared memory through a 4-stage
+// cp.async pipeline. The gather is the limiter: every kept vector re-reads a whole row slice of B from L2
 // (measured on an H200: ~7-8 TB/s effective at large problems; latency-bound when the grid is
 // small), so the pipeline keeps three blocks in flight per CTA with several CTAs per SM, and the
 // column indices of the next block are prefetched into registers one step ahead so the gather
