@@ -7,14 +7,18 @@ fused) with CUDA events after warm-up (back-to-back calls replayed from a CUDA g
 and reports medians, effective TOPS (2*M*N*K*density / t,
 density = the kept fraction of the mask) and speedups over cuBLAS fp16 (`torch.matmul`) of the
 same dense shape. Baselines in the same run: cuBLAS fp16, `torch._int_mm` int8, the project's
-fp16 SR-BCRS kernel and cuSPARSE fp16 CSR SpMM (`to_sparse_csr() @ dense`). Writes
-spmm_<device>.json and a plot of speedup over cuBLAS against sparsity (one panel per V).
+fp16 SR-BCRS kernel and cuSPARSE fp16 CSR SpMM (`to_sparse_csr() @ dense`). Then the attention
+pipeline's P x V (32 batch x heads, M = K = 4096, N = 64), the narrow product the resident-B
+kernel serves, with each SpMM kernel forced and with the automatic choice, against cuBLAS fp16
+bmm. Writes spmm[_quick]_<device>.json and a plot of speedup over cuBLAS against sparsity (one
+panel per V).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +32,10 @@ FULL = dict(sparsity=[0.5, 0.7, 0.8, 0.9, 0.95, 0.98], v=[2, 4, 8], n=[128, 256,
 QUICK = dict(sparsity=[0.7, 0.9, 0.98], v=[2, 8], n=[128, 256], mk=[1024, 4096])
 INNER = 20
 TARGET = dict(pair="L8-R8", v=8, sparsity=0.9, mk=4096, n=256)
+# The attention pipeline's P x V (B 8 x H 4, L 4096, head dim 64), where B is narrow and the
+# resident-B kernel serves: timed with each kernel forced and with the automatic choice.
+PV = dict(bh=32, mk=4096, n=64, v=8, sparsity=[0.9, 0.95], pairs=[(8, 8), (16, 8), (8, 4)])
+KERNEL_CHOICES = ("gather", "resident", "auto")
 
 
 def _time(fn, reps, graph=True):
@@ -104,9 +112,55 @@ def run(cfg, reps: int, log=print, checkpoint=None):
     return records
 
 
+def run_pv(reps: int, log=print):
+    """The PV product per pair and kernel choice (MAGICUBE_SPMM_KERNEL), against cuBLAS fp16 bmm."""
+    ops = torch.ops.magicube_cuda
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(1)
+    bh, m, n, v = PV["bh"], PV["mk"], PV["n"], PV["v"]
+    k = m
+    a16 = torch.randn(bh, m, k, device=dev, dtype=torch.float16, generator=g)
+    b16 = torch.randn(bh, k, n, device=dev, dtype=torch.float16, generator=g)
+    dense_ms = _time(lambda: torch.bmm(a16, b16), reps)
+    base = dict(section="attention_pv", bh=bh, m=m, k=k, n=n, v=v)
+    records = [dict(base, kernel="cublas_fp16", ms=dense_ms, speedup=1.0)]
+    log(f"P x V, BH={bh} M=K={m} N={n}: cuBLAS fp16 bmm {dense_ms * 1e3:.1f} us")
+    saved = os.environ.get("MAGICUBE_SPMM_KERNEL")
+    try:
+        for sp in PV["sparsity"]:
+            mask = random_vector_mask(m, k, v, sp, seed=int(1000 * sp) + v)
+            cp = SRBCRS.from_mask(mask, stride=32).to(dev)
+            emask = mask.to_dense().to(dev)
+            line = []
+            for ab, bb in PV["pairs"]:
+                qa = torch.randint(-(1 << (ab - 1)), 1 << (ab - 1), (bh, m, k), device=dev, dtype=torch.int32,
+                                   generator=g)
+                av = to_container(cp.pack_values(qa * emask), ab)
+                del qa
+                qb = torch.randint(-(1 << (bb - 1)), 1 << (bb - 1), (bh, k, n), device=dev, dtype=torch.int32,
+                                   generator=g)
+                bv = to_container(qb, bb)
+                sa = torch.full((bh, m), 1e-3, device=dev)
+                sb = torch.full((bh, n), 1e-3, device=dev)
+                for choice in KERNEL_CHOICES:
+                    os.environ["MAGICUBE_SPMM_KERNEL"] = choice
+                    ms = _time(lambda: ops.spmm(cp.row_ptr, cp.col_idx, cp.row_order, av, bv, sa, sb, v, m, ab, True,
+                                                bb, torch.float16), reps)
+                    records.append(dict(base, sparsity=sp, kernel=f"L{ab}-R{bb} {choice}", ms=ms,
+                                        speedup=dense_ms / ms))
+                    line.append(f"L{ab}-R{bb} {choice} {ms * 1e3:.1f}us")
+            log(f"  V={v} s={sp}: " + ", ".join(line))
+    finally:
+        if saved is None:
+            os.environ.pop("MAGICUBE_SPMM_KERNEL", None)
+        else:
+            os.environ["MAGICUBE_SPMM_KERNEL"] = saved
+    return records
+
+
 def summarize(records):
     out = {}
-    sparse = [r for r in records if "v" in r]
+    sparse = [r for r in records if "v" in r and "section" not in r]
     kernels = sorted({r["kernel"] for r in sparse})
     geo = {}
     for kern in kernels:
@@ -124,6 +178,9 @@ def summarize(records):
                                  speedup_vs_sparse_fp16=by["sparse_fp16"]["ms"] / tgt["ms"],
                                  cublas_fp16_us=tgt["ms"] * tgt["speedup"] * 1e3,
                                  sparse_fp16_us=by["sparse_fp16"]["ms"] * 1e3)
+    pv = [r for r in records if r.get("section") == "attention_pv" and r.get("sparsity", 0.9) == 0.9]
+    if pv:
+        out["attention_pv_sparsity_0.9_us"] = {r["kernel"]: r["ms"] * 1e3 for r in pv}
     return out
 
 
@@ -133,7 +190,7 @@ def plot(records, path: Path, title: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sparse = [r for r in records if "v" in r]
+    sparse = [r for r in records if "v" in r and "section" not in r]
     mk = max(r["m"] for r in sparse)
     ns = sorted({r["n"] for r in sparse})
     n = 256 if 256 in ns else ns[0]
@@ -180,7 +237,9 @@ def main(argv=None) -> int:
                                              timing=f"median of {args.reps} CUDA-graph replays of {INNER} calls",
                                              summary=summarize(records), records=records))
 
-    records = run(cfg, args.reps, log=lambda s: print(s, flush=True), checkpoint=save)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    records = run(cfg, args.reps, log=log, checkpoint=save)
+    records += run_pv(args.reps, log=log)
     save(records, complete=True)
     print("summary:", summarize(records))
     plot(records, out / f"{name}.png", f"SR-BCRS SpMM on {env.get('device')} (fp16 output; dashed: fp16 baselines)")
