@@ -15,9 +15,9 @@
 //
 // Gather kernel: one CTA = one vector row x a kTileBytes-wide slice of B's rows; 4 warps split
 // the slice. Per 32-slot block, the 32 gathered dense rows go to shared memory through a 4-stage
-// cp.async pipeline. The gather is the limiter: every kept vector re-reads a whole row slice of B from L2
-// (measured on an H200: ~7-8 TB/s effective at large problems; latency-bound when the grid is
-// small), so the pipeline keeps three blocks in flight per CTA with several CTAs per SM, and the
+// cp.async pipeline. The gather is the limiter: every kept vector re-reads a whole row slice of B
+// from L2 (measured on an H200: ~7-8 TB/s effective at large problems; latency-bound when the grid
+// is small), so the pipeline keeps three blocks in flight per CTA with several CTAs per SM, and the
 // column indices of the next block are prefetched into registers one step ahead so the gather
 // addresses never wait on a dependent load. The online transpose of the gathered tile happens on
 // the way out of shared memory: ldmatrix.trans transposes byte pairs and one prmt per register
@@ -208,6 +208,19 @@ __device__ __forceinline__ void dense8_fragment(const uint32_t (&r)[4], uint32_t
   da[0][1] = odd_bytes(r[0], r[1]);
   da[0][2] = even_bytes(r[2], r[3]);
   da[0][3] = odd_bytes(r[2], r[3]);
+}
+
+// The two 4-bit dense fragments of one ldmatrix.x4.trans read (16 bytes = 32 columns a row): the
+// low nibbles (m-tile 2c) and the high ones (2c + 1), each widened to 16 * value.
+__device__ __forceinline__ void dense4_fragments(const uint32_t (&r)[4], uint32_t (&lo)[1][4],
+                                                 uint32_t (&hi)[1][4]) {
+  uint32_t da[1][4];
+  dense8_fragment(r, da);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    lo[0][i] = low_nibbles_x16(da[0][i]);
+    hi[0][i] = high_nibbles_x16(da[0][i]);
+  }
 }
 
 __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
@@ -469,14 +482,9 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
       } else if constexpr (BB == 4) {
 #pragma unroll
         for (int c = 0; c < K::kWarpChunks; ++c) {
-          uint32_t q[4];
+          uint32_t q[4], lo[1][4], hi[1][4];
           ldsm(wchunk0 + c, q);
-          const uint32_t x01 = even_bytes(q[0], q[1]), y01 = odd_bytes(q[0], q[1]);
-          const uint32_t x23 = even_bytes(q[2], q[3]), y23 = odd_bytes(q[2], q[3]);
-          const uint32_t lo[1][4] = {{low_nibbles_x16(x01), low_nibbles_x16(y01), low_nibbles_x16(x23),
-                                      low_nibbles_x16(y23)}};
-          const uint32_t hi[1][4] = {{high_nibbles_x16(x01), high_nibbles_x16(y01), high_nibbles_x16(x23),
-                                      high_nibbles_x16(y23)}};
+          dense4_fragments(q, lo, hi);
           r.mma(2 * c, lo, sb);
           r.mma(2 * c + 1, hi, sb);
         }
@@ -565,8 +573,8 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
   const int bh = blockIdx.z;
   const int byte0 = blockIdx.y * kResidentSliceBytes;
   const uint8_t* b_bh = p.b + bh * p.b_bh_bytes;
-  for (int i = threadIdx.x; i < 2 * (p.k + 1); i += kResidentThreads) {
-    const int row = i >> 1, chunk = i & 1;
+  for (int i = threadIdx.x; i < kChunks * (p.k + 1); i += kResidentThreads) {
+    const int row = i / kChunks, chunk = i % kChunks;
     const int byte = byte0 + 16 * chunk;
     const bool in = row < p.k && byte < p.row_bytes;
     cp_async16(slice0 + slice_offset(row, chunk), in ? b_bh + (int64_t)row * p.row_bytes + byte : p.b, in ? 16 : 0);
@@ -664,16 +672,15 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
           const int krow = __shfl_sync(0xffffffffu, live, my_slot);
 #pragma unroll
           for (int c = 0; c < kChunks; ++c) {
-            uint32_t q[4], da[1][4];
+            uint32_t q[4];
             ldsm_x4_trans(slice0 + slice_offset(krow, c), q[0], q[1], q[2], q[3]);
-            dense8_fragment(q, da);
             if constexpr (BB == 8) {
+              uint32_t da[1][4];
+              dense8_fragment(q, da);
               r.mma(c, da, sb[j]);
             } else {
-              const uint32_t lo[1][4] = {{low_nibbles_x16(da[0][0]), low_nibbles_x16(da[0][1]),
-                                          low_nibbles_x16(da[0][2]), low_nibbles_x16(da[0][3])}};
-              const uint32_t hi[1][4] = {{high_nibbles_x16(da[0][0]), high_nibbles_x16(da[0][1]),
-                                          high_nibbles_x16(da[0][2]), high_nibbles_x16(da[0][3])}};
+              uint32_t lo[1][4], hi[1][4];
+              dense4_fragments(q, lo, hi);
               r.mma(2 * c, lo, sb[j]);
               r.mma(2 * c + 1, hi, sb[j]);
             }

@@ -48,6 +48,21 @@ def _time(fn, reps, graph=True):
     return cuda_time(fn, warmup=3, reps=reps, calls=INNER if graph else max(2, INNER // 4), graph=graph)["median_ms"]
 
 
+def _quantized_spmm(cp, emask, bh: int, n: int, ab: int, bb: int, g):
+    """A call of the integer SpMM on random operands of the pattern cp (on the GPU), A of ab bits
+    masked by emask (M x K), B (BH x K x N) of bb bits, fp16 output."""
+    m, k, dev = cp.m, cp.k, emask.device
+    qa = torch.randint(-(1 << (ab - 1)), 1 << (ab - 1), (bh, m, k), device=dev, dtype=torch.int32, generator=g)
+    av = to_container(cp.pack_values(qa * emask), ab)
+    del qa
+    qb = torch.randint(-(1 << (bb - 1)), 1 << (bb - 1), (bh, k, n), device=dev, dtype=torch.int32, generator=g)
+    bv = to_container(qb, bb)
+    sa = torch.full((bh, m), 1e-3, device=dev)
+    sb = torch.full((bh, n), 1e-3, device=dev)
+    return lambda: torch.ops.magicube_cuda.spmm(cp.row_ptr, cp.col_idx, cp.row_order, av, bv, sa, sb, cp.v, m, ab,
+                                                True, bb, torch.float16)
+
+
 def run(cfg, reps: int, log=print, checkpoint=None):
     """Time every kernel over the sweep; `checkpoint(records)` after each size (largest first)."""
     ops = torch.ops.magicube_cuda
@@ -94,15 +109,7 @@ def run(cfg, reps: int, log=print, checkpoint=None):
                     csr = dense_a.to_sparse_csr()
                     add("cusparse_fp16", _time(lambda: csr @ b16, reps, graph=False))
                     for ab, bb in PAIRS:
-                        lo, hi = -(1 << (ab - 1)), 1 << (ab - 1)
-                        qa = torch.randint(lo, hi, (1, m, k), device=dev, generator=g) * emask
-                        qb = torch.randint(-(1 << (bb - 1)), 1 << (bb - 1), (1, k, n), device=dev, generator=g)
-                        av = to_container(cp.pack_values(qa), ab)
-                        bv = to_container(qb, bb)
-                        sa = torch.full((1, m), 1e-3, device=dev)
-                        sb = torch.full((1, n), 1e-3, device=dev)
-                        add(f"L{ab}-R{bb}", _time(lambda: ops.spmm(cp.row_ptr, cp.col_idx, cp.row_order, av, bv, sa,
-                                                                   sb, v, m, ab, True, bb, torch.float16), reps))
+                        add(f"L{ab}-R{bb}", _time(_quantized_spmm(cp, emask, 1, n, ab, bb, g), reps))
                     row = [r for r in records if r.get("v") == v and r.get("sparsity") == sp and r["m"] == m
                            and r["n"] == n]
                     log(f"  N={n} V={v} s={sp}: " + ", ".join(
@@ -114,7 +121,6 @@ def run(cfg, reps: int, log=print, checkpoint=None):
 
 def run_pv(reps: int, log=print):
     """The PV product per pair and kernel choice (MAGICUBE_SPMM_KERNEL), against cuBLAS fp16 bmm."""
-    ops = torch.ops.magicube_cuda
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(1)
     bh, m, n, v = PV["bh"], PV["mk"], PV["n"], PV["v"]
@@ -133,19 +139,10 @@ def run_pv(reps: int, log=print):
             emask = mask.to_dense().to(dev)
             line = []
             for ab, bb in PV["pairs"]:
-                qa = torch.randint(-(1 << (ab - 1)), 1 << (ab - 1), (bh, m, k), device=dev, dtype=torch.int32,
-                                   generator=g)
-                av = to_container(cp.pack_values(qa * emask), ab)
-                del qa
-                qb = torch.randint(-(1 << (bb - 1)), 1 << (bb - 1), (bh, k, n), device=dev, dtype=torch.int32,
-                                   generator=g)
-                bv = to_container(qb, bb)
-                sa = torch.full((bh, m), 1e-3, device=dev)
-                sb = torch.full((bh, n), 1e-3, device=dev)
+                spmm = _quantized_spmm(cp, emask, bh, n, ab, bb, g)
                 for choice in KERNEL_CHOICES:
                     os.environ["MAGICUBE_SPMM_KERNEL"] = choice
-                    ms = _time(lambda: ops.spmm(cp.row_ptr, cp.col_idx, cp.row_order, av, bv, sa, sb, v, m, ab, True,
-                                                bb, torch.float16), reps)
+                    ms = _time(spmm, reps)
                     records.append(dict(base, sparsity=sp, kernel=f"L{ab}-R{bb} {choice}", ms=ms,
                                         speedup=dense_ms / ms))
                     line.append(f"L{ab}-R{bb} {choice} {ms * 1e3:.1f}us")
