@@ -339,3 +339,82 @@ def test_argument_checks(kernels):
     strided = [torch.stack((s, torch.full_like(s, float("nan"))), -1)[..., 0] for s in (sq, sk, sv)]
     assert all(s.stride(1) == 2 for s in strided)
     assert torch.equal(kernels.sparse_attention(*pat, q, k, val, *strided, 8, 0.1, 8, 8, 1), want)
+
+
+# The pairs the probabilities alone (and so the two-kernel attention) are built for.
+PROB_PAIRS = [(8, 8), (16, 8), (8, 4), (4, 4), (16, 4)]
+PROB_IDS = [f"P{p}-QK{q}" for p, q in PROB_PAIRS]
+
+
+@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("v", [2, 4, 8])
+@pytest.mark.parametrize("p_bits, qk_bits", PROB_PAIRS, ids=PROB_IDS)
+def test_probs_match_reference(kernels, p_bits, qk_bits, v, d):
+    """attention_probs against sparse_softmax(sddmm(Q, K)) of the reference: every slot and row
+    scale written (poisoned outputs), padding 0, quantized probabilities off by at most one unit
+    (exp rounding) on under 1 % of the slots, row scales to a few ulp (summation order)."""
+    from magicube.ops.format import value_coordinates
+
+    for i, (bh, rows, n, sparsity) in enumerate(SHAPES):
+        g = torch.Generator().manual_seed(100 * i + 10 * v + d)
+        p, _ = problem(bh, rows, n, v, sparsity, seed=i, shuffle=bool(i % 2))
+        q, k, _, sq, sk, _ = make_inputs(bh, p.m, n, d, p_bits, qk_bits, g, spread=1.0 + i)
+        cuda = p.to("cuda")
+        poison_allocator(-1, torch.int64)
+        got, got_rs = kernels.attention_probs(cuda.row_ptr, cuda.col_idx, cuda.row_order, q.cuda(), k.cuda(),
+                                              sq.cuda(), sk.cuda(), v, d**-0.5, qk_bits, p_bits)
+        pattern = (p.row_ptr, p.col_idx, p.row_order)
+        scores = torch.ops.magicube.sddmm(*pattern, q, k, sq, sk, v, qk_bits, torch.float16)
+        want, want_rs = torch.ops.magicube.sparse_softmax(*pattern, scores, v, d**-0.5, p_bits)
+        what = f"shape (BH={bh}, M={p.m}, N={n})"
+        assert got.dtype == want.dtype and got.shape == want.shape and got_rs.shape == want_rs.shape, what
+        torch.testing.assert_close(got_rs.cpu(), want_rs, rtol=1e-5, atol=0, msg=what)
+        qg, qw = from_container(got.cpu(), p_bits, False), from_container(want, p_bits, False)
+        _, col = value_coordinates(p.row_ptr, p.col_idx, v, 32)
+        assert bool((qg[:, col < 0] == 0).all()), f"{what}: padding slots must be 0"
+        diff = (qg - qw).abs()
+        assert int(diff.max()) <= 1, f"{what}: a probability off by {int(diff.max())} units"
+        assert float((diff == 0).double().mean()) >= 0.99, f"{what}: fewer than 99 % of the probabilities exact"
+
+
+@pytest.mark.parametrize("p_bits, qk_bits", PROB_PAIRS, ids=PROB_IDS)
+def test_two_kernel_equals_fused(kernels, monkeypatch, p_bits, qk_bits):
+    """The public op on its two CUDA paths (MAGICUBE_ATTENTION_KERNEL): the same output bit for bit,
+    with the heads layout and expanded scales, whole rows with a row past the score cache, and rows
+    split over 4 warps (N past one warp's int32 accumulation)."""
+    from magicube.ops import library, sparse_attention
+
+    cases = [(8, 6, 333, 0.6, 64, 4), (2, 4, 1500, 0.9, 32, 1)]  # (BH, M/V, N, sparsity, d, heads)
+    if qk_bits == 8:
+        cases.append((2, 3, 66_000, 0.99, 64, 2))
+    for i, (bh, rows, n, sparsity, d, heads) in enumerate(cases):
+        v = 8
+        p, emask = problem(bh, rows, n, v, sparsity, seed=7 + i, shuffle=True)
+        g = torch.Generator().manual_seed(i)
+        q, k, val, sq, sk, sv = (to_cuda(x) for x in make_inputs(bh, p.m, n, d, p_bits, qk_bits, g, per_head=True))
+        outs = {}
+        for choice in ("fused", "two-kernel"):
+            monkeypatch.setenv(library.ATTENTION_KERNEL_ENV, choice)
+            assert library.attention_kernel(q, qk_bits, p_bits) == choice
+            poison_allocator(float("nan"), torch.float16)
+            outs[choice] = sparse_attention(p.to("cuda"), q, k, val, softmax_scale=d**-0.5, qk_bits=qk_bits,
+                                            p_bits=p_bits, scale_q=sq, scale_k=sk, scale_v=sv, heads=heads)
+        what = f"BH={bh}, N={n}, d={d}, heads={heads}"
+        assert outs["fused"].shape == (bh // heads, p.m, heads, d), what
+        assert not torch.isnan(outs["two-kernel"]).any(), what
+        assert torch.equal(outs["fused"], outs["two-kernel"]), f"{what}: the two paths differ"
+
+
+def test_probs_argument_checks(kernels):
+    p, _ = problem(1, 2, 64, 8, 0.5, seed=0)
+    cuda = p.to("cuda")
+    g = torch.Generator().manual_seed(0)
+    pat = (cuda.row_ptr, cuda.col_idx, cuda.row_order)
+    q, k, _, sq, sk, _ = (x.cuda() for x in make_inputs(1, p.m, 64, 128, 8, 8, g))
+    with pytest.raises(RuntimeError, match="attention_probs: built for .* head dim 32 or 64, got qk_bits=8, d=128"):
+        kernels.attention_probs(*pat, q, k, sq, sk, 8, 0.1, 8, 8)
+    q, k, _, sq, sk, _ = (x.cuda() for x in make_inputs(1, p.m, 64, 64, 16, 16, g))
+    with pytest.raises(RuntimeError, match="attention_probs: built for"):
+        kernels.attention_probs(*pat, q, k, sq, sk, 8, 0.1, 16, 16)
+    with pytest.raises(RuntimeError, match="attention_probs: integer inputs need scale_q"):
+        kernels.attention_probs(*pat, q, k, None, sk, 8, 0.1, 16, 16)
