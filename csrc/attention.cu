@@ -1,7 +1,5 @@
 // magicube_cuda::sparse_attention: sddmm -> sparse_softmax -> spmm fused into one kernel
-// (attention_kernel.cuh), with the pipeline's roundings; magicube_cuda::attention_probs: the same
-// kernel stopped at the probabilities, sparse_softmax(sddmm(Q, K)), for the two-kernel attention
-// (attention_probs, then the SpMM; chosen in ops/library.py).
+// (attention_kernel.cuh), with the pipeline's roundings.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -24,24 +22,23 @@ using magicube::attention_detail::kInt8;
 using magicube::attention_detail::kThreads;
 using magicube::attention_detail::kWarps;
 
-void check_cuda_tensor(const char* who, const at::Tensor& t, const char* name, const at::Device& device) {
-  MAGICUBE_CHECK(t.is_cuda(), who, ": ", name, " must be a CUDA tensor, got one on ", t.device());
-  MAGICUBE_CHECK(t.device() == device, who, ": ", name, " is on ", t.device(), " but query is on ", device);
-  MAGICUBE_CHECK(t.is_contiguous(), who, ": ", name, " must be contiguous");
+void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device) {
+  MAGICUBE_CHECK(t.is_cuda(), "sparse_attention: ", name, " must be a CUDA tensor, got one on ", t.device());
+  MAGICUBE_CHECK(t.device() == device, "sparse_attention: ", name, " is on ", t.device(), " but query is on ", device);
+  MAGICUBE_CHECK(t.is_contiguous(), "sparse_attention: ", name, " must be contiguous");
 }
 
 // A scale [BH, rows] of any non-negative strides (a per-(batch x head) scale expanded along its rows
 // has stride 0 there). The kernel steps along the rows by a 32-bit byte offset; returns that step.
-uint32_t check_scale(const char* who, const at::Tensor& t, const char* name, int64_t bh, int64_t rows,
-                     const at::Device& device) {
-  MAGICUBE_CHECK(t.is_cuda(), who, ": ", name, " must be a CUDA tensor, got one on ", t.device());
-  MAGICUBE_CHECK(t.device() == device, who, ": ", name, " is on ", t.device(), " but query is on ", device);
+uint32_t check_scale(const at::Tensor& t, const char* name, int64_t bh, int64_t rows, const at::Device& device) {
+  MAGICUBE_CHECK(t.is_cuda(), "sparse_attention: ", name, " must be a CUDA tensor, got one on ", t.device());
+  MAGICUBE_CHECK(t.device() == device, "sparse_attention: ", name, " is on ", t.device(), " but query is on ", device);
   MAGICUBE_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == bh && t.size(1) == rows,
-                 who, ": ", name, " must be a float32 [BH, ", rows, "] = [", bh, ", ", rows,
+                 "sparse_attention: ", name, " must be a float32 [BH, ", rows, "] = [", bh, ", ", rows,
                  "] tensor, got ", t.scalar_type(), " of ", t.dim(), " dims");
   const int64_t step = rows > 1 ? t.stride(1) * static_cast<int64_t>(sizeof(float)) : 0;
   MAGICUBE_CHECK(t.stride(0) >= 0 && step >= 0 && (rows - 1) * step < (int64_t(1) << 32),
-                 who, ": ", name, " must have non-negative strides spanning less than 4 GiB along its "
+                 "sparse_attention: ", name, " must have non-negative strides spanning less than 4 GiB along its "
                  "rows, got strides (", t.stride(0), ", ", t.stride(1), ")");
   return static_cast<uint32_t>(step);
 }
@@ -52,10 +49,10 @@ at::Tensor aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
 }
 
-template <int OP, int PB, int D, int DV, bool SPLIT, bool EMIT>
+template <int OP, int PB, int D, int DV, bool SPLIT>
 void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream) {
   using C = Cfg<OP, PB, D, DV>;
-  auto kernel = magicube::attention_detail::attention_kernel<OP, PB, D, DV, SPLIT, EMIT>;
+  auto kernel = magicube::attention_detail::attention_kernel<OP, PB, D, DV, SPLIT>;
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   // Once per device and instantiation, so that a launch inside a graph capture makes no other call.
   // The opt-in limit covers static and dynamic shared memory together.
@@ -92,7 +89,7 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
     // Whole rows pay off only with every block of a mean row cached: a recomputed block gathers
     // its key tile twice (three times with fp16 probabilities).
     if (cached > room) room = fit(per_sm(3));
-    if (cached > room) return launch<OP, PB, D, DV, true, EMIT>(p, vrows, bh, nnz_pad, stream);
+    if (cached > room) return launch<OP, PB, D, DV, true>(p, vrows, bh, nnz_pad, stream);
   }
   cached = std::max<int64_t>(1, std::min<int64_t>(cached, room));
   const int smem = C::smem_bytes(static_cast<int>(cached));
@@ -105,156 +102,23 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
 }
 
 // One head dim for query/key and value: every (d, dv) pair would triple the instantiations (and
-// the build) for shapes attention layers do not use. The probabilities alone (EMIT) are built for
-// the head dims where the two-kernel attention runs (ops/library.py: d <= 64).
-template <int OP, int PB, bool SPLIT, bool EMIT>
+// the build) for shapes attention layers do not use.
+template <int OP, int PB, bool SPLIT>
 void dispatch_dims(const Params& p, int64_t d, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream) {
   switch (d) {
-    case 32: launch<OP, PB, 32, 32, SPLIT, EMIT>(p, vrows, bh, nnz_pad, stream); break;
-    case 64: launch<OP, PB, 64, 64, SPLIT, EMIT>(p, vrows, bh, nnz_pad, stream); break;
-    default:
-      if constexpr (EMIT) {
-        MAGICUBE_CHECK(false, "attention_probs: head dim d must be 32 or 64, got ", d);
-      } else {
-        launch<OP, PB, 128, 128, SPLIT, false>(p, vrows, bh, nnz_pad, stream);
-      }
-      break;
+    case 32: launch<OP, PB, 32, 32, SPLIT>(p, vrows, bh, nnz_pad, stream); break;
+    case 64: launch<OP, PB, 64, 64, SPLIT>(p, vrows, bh, nnz_pad, stream); break;
+    default: launch<OP, PB, 128, 128, SPLIT>(p, vrows, bh, nnz_pad, stream); break;
   }
 }
 
 // Split rows where a whole row would overflow one warp's int32 accumulators, or (launch) where a
 // whole mean row does not fit in the score cache.
-template <int OP, int PB, bool EMIT>
+template <int OP, int PB>
 void dispatch_layout(const Params& p, bool split, int64_t d, int64_t vrows, int64_t bh, int64_t nnz_pad,
                      cudaStream_t stream) {
-  if (split) dispatch_dims<OP, PB, true, EMIT>(p, d, vrows, bh, nnz_pad, stream);
-  else dispatch_dims<OP, PB, false, EMIT>(p, d, vrows, bh, nnz_pad, stream);
-}
-
-// The checks and kernel parameters that the attention and its probabilities share: the pattern,
-// query, key and their scales. `who` names the op in the messages.
-struct QueryKey {
-  Params p{};  // fp16 inputs leave the scales null
-  int op;
-  bool split = false;
-  int64_t bh, m, n, d, vrows, nnz_pad;
-  at::Tensor query, key;  // 16-byte aligned (copies of misaligned views)
-};
-
-QueryKey check_query_key(const char* who, const at::Tensor& row_ptr, const at::Tensor& col_idx,
-                         const at::Tensor& row_order, const at::Tensor& query_in, const at::Tensor& key_in,
-                         const std::optional<at::Tensor>& scale_q, const std::optional<at::Tensor>& scale_k,
-                         int64_t v, double softmax_scale, int64_t qk_bits, int64_t p_bits) {
-  const at::Device device = query_in.device();
-  check_cuda_tensor(who, query_in, "query", device);
-  check_cuda_tensor(who, key_in, "key", device);
-  check_cuda_tensor(who, row_ptr, "row_ptr", device);
-  check_cuda_tensor(who, col_idx, "col_idx", device);
-  check_cuda_tensor(who, row_order, "row_order", device);
-  MAGICUBE_CHECK(v == 2 || v == 4 || v == 8, who, ": v must be 2, 4 or 8, got ", v);
-  MAGICUBE_CHECK(row_ptr.scalar_type() == at::kInt && col_idx.scalar_type() == at::kInt &&
-                  row_order.scalar_type() == at::kInt,
-              who, ": row_ptr, col_idx and row_order must be int32");
-  MAGICUBE_CHECK(row_ptr.dim() == 1 && col_idx.dim() == 1 && row_order.dim() == 1,
-              who, ": row_ptr, col_idx and row_order must be 1-D");
-  MAGICUBE_CHECK(row_ptr.numel() % 2 == 0, who, ": row_ptr must hold 2*(M/V) entries, got ", row_ptr.numel());
-  QueryKey r;
-  r.vrows = row_ptr.numel() / 2;
-  MAGICUBE_CHECK(row_order.numel() == r.vrows, who, ": row_order must hold M/V = ", r.vrows, " entries, got ",
-              row_order.numel());
-  MAGICUBE_CHECK(col_idx.numel() % 32 == 0, who, ": col_idx length ", col_idx.numel(),
-              " is not a multiple of the stride 32");
-  MAGICUBE_CHECK(query_in.dim() == 3 && key_in.dim() == 3, who, ": query and key must be 3-D [BH, rows, d]");
-
-  const bool fp16 = query_in.scalar_type() == at::kHalf;
-  if (fp16) {
-    MAGICUBE_CHECK(key_in.scalar_type() == at::kHalf, who, ": float16 query needs a float16 key, got ",
-                key_in.scalar_type());
-    MAGICUBE_CHECK(qk_bits == 16 && p_bits == 0,
-                who, ": float16 inputs take qk_bits=16 and p_bits=0 (fp16 probabilities), got qk_bits=",
-                qk_bits, ", p_bits=", p_bits);
-    MAGICUBE_CHECK(!scale_q.has_value() && !scale_k.has_value(), who, ": float16 inputs take no scale_q/scale_k");
-    r.op = kHalf;
-  } else {
-    const bool pair_ok = (qk_bits == 8 && (p_bits == 8 || p_bits == 16)) ||
-                         (qk_bits == 4 && (p_bits == 4 || p_bits == 8 || p_bits == 16)) ||
-                         (qk_bits == 16 && p_bits == 16);
-    MAGICUBE_CHECK(pair_ok, who, ": (p_bits, qk_bits) must be one of (8, 8), (16, 8), (4, 4), (8, 4), "
-                "(16, 4), (16, 16), got (", p_bits, ", ", qk_bits, ")");
-    const at::ScalarType want = qk_bits == 16 ? at::kShort : qk_bits == 8 ? at::kChar : at::kByte;
-    MAGICUBE_CHECK(query_in.scalar_type() == want && key_in.scalar_type() == want, who, ": qk_bits=", qk_bits,
-                " needs ", want, " query and key, got ", query_in.scalar_type(), " and ", key_in.scalar_type());
-    r.op = qk_bits == 16 ? kInt16 : qk_bits == 8 ? kInt8 : kInt4;
-  }
-
-  r.bh = query_in.size(0);
-  r.m = query_in.size(1);
-  r.n = key_in.size(1);
-  r.d = query_in.size(2) * (r.op == kInt4 ? 2 : 1);
-  r.nnz_pad = col_idx.numel();
-  MAGICUBE_CHECK(r.m == r.vrows * v, who, ": query has ", r.m, " rows, the pattern M = (M/V)*V = ", r.vrows * v);
-  MAGICUBE_CHECK(key_in.size(0) == r.bh, who, ": key must have BH = ", r.bh, " like query, got ", key_in.size(0));
-  MAGICUBE_CHECK(key_in.size(2) == query_in.size(2), who, ": key's last dim (", key_in.size(2),
-              ") must match query's (", query_in.size(2), ")");
-  MAGICUBE_CHECK(r.d == 32 || r.d == 64 || r.d == 128, who, ": head dim d of query/key must be 32, 64 or 128, got ",
-              r.d);
-  MAGICUBE_CHECK(r.bh <= 65535 && r.vrows <= INT32_MAX && r.n < INT32_MAX && r.m < INT32_MAX,
-              who, ": BH must be <= 65535 and M, N < 2^31");
-  if (r.op != kHalf) {
-    // int32 accumulators: a warp sums at most ceil(N/32) blocks of 32 slots (whole rows), or
-    // ceil(ceil(N/32)/4) (split rows); the largest per-slot term over all accumulators of a
-    // precision pair bounds N. The probabilities alone have the same row layout, so that the
-    // two-kernel attention sums the row in the fused kernel's order.
-    const int64_t term = (qk_bits == 16) ? 255 * 255 + 255 * 128 : 255 * 128;
-    const int64_t row_slots = (r.n + 31) / 32 * 32;
-    const int64_t slots = ((r.n + 31) / 32 + kWarps - 1) / kWarps * 32;
-    r.split = row_slots * term >= (int64_t(1) << 31);
-    MAGICUBE_CHECK(slots * term < (int64_t(1) << 31), who, ": N = ", r.n,
-                " keys exceed the exact int32 accumulation of this precision pair");
-    for (const auto* s : {&scale_q, &scale_k})
-      MAGICUBE_CHECK(s->has_value(), who, ": integer inputs need scale_q and scale_k");
-    r.p.sq_step = check_scale(who, *scale_q, "scale_q", r.bh, r.m, device);
-    r.p.sk_step = check_scale(who, *scale_k, "scale_k", r.bh, r.n, device);
-    r.p.scale_q = scale_q->data_ptr<float>();
-    r.p.scale_k = scale_k->data_ptr<float>();
-    r.p.sq_bh = scale_q->stride(0);
-    r.p.sk_bh = scale_k->stride(0);
-  }
-  r.query = aligned16(query_in);
-  r.key = aligned16(key_in);
-  r.p.row_ptr = row_ptr.data_ptr<int>();
-  r.p.col_idx = col_idx.data_ptr<int>();
-  r.p.row_order = row_order.data_ptr<int>();
-  r.p.q = static_cast<const uint8_t*>(r.query.data_ptr());
-  r.p.k = static_cast<const uint8_t*>(r.key.data_ptr());
-  r.p.bh = static_cast<int>(r.bh);
-  r.p.m = static_cast<int>(r.m);
-  r.p.n = static_cast<int>(r.n);
-  r.p.v = static_cast<int>(v);
-  r.p.heads = 1;
-  r.p.softmax_scale = static_cast<float>(softmax_scale);
-  return r;
-}
-
-template <bool EMIT>
-void dispatch(const QueryKey& r, int64_t p_bits) {
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  auto go = [&](auto op, auto pb) {
-    dispatch_layout<decltype(op)::value, decltype(pb)::value, EMIT>(r.p, r.split, r.d, r.vrows, r.bh, r.nnz_pad,
-                                                                    stream);
-  };
-  using std::integral_constant;
-  if (r.op == kInt8) {
-    if (p_bits == 8) go(integral_constant<int, kInt8>{}, integral_constant<int, 8>{});
-    else go(integral_constant<int, kInt8>{}, integral_constant<int, 16>{});
-  } else if (r.op == kInt4) {
-    if (p_bits == 4) go(integral_constant<int, kInt4>{}, integral_constant<int, 4>{});
-    else if (p_bits == 8) go(integral_constant<int, kInt4>{}, integral_constant<int, 8>{});
-    else go(integral_constant<int, kInt4>{}, integral_constant<int, 16>{});
-  } else if constexpr (!EMIT) {
-    if (r.op == kHalf) go(integral_constant<int, kHalf>{}, integral_constant<int, 0>{});
-    else go(integral_constant<int, kInt16>{}, integral_constant<int, 16>{});
-  }
+  if (split) dispatch_dims<OP, PB, true>(p, d, vrows, bh, nnz_pad, stream);
+  else dispatch_dims<OP, PB, false>(p, d, vrows, bh, nnz_pad, stream);
 }
 
 at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order,
@@ -262,65 +126,131 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
                                  const std::optional<at::Tensor>& scale_q, const std::optional<at::Tensor>& scale_k,
                                  const std::optional<at::Tensor>& scale_v, int64_t v, double softmax_scale,
                                  int64_t qk_bits, int64_t p_bits, int64_t heads) {
-  const char* who = "sparse_attention";
-  QueryKey r = check_query_key(who, row_ptr, col_idx, row_order, query_in, key_in, scale_q, scale_k, v,
-                               softmax_scale, qk_bits, p_bits);
-  const c10::cuda::CUDAGuard guard(query_in.device());
   const at::Device device = query_in.device();
-  check_cuda_tensor(who, value_in, "value", device);
-  MAGICUBE_CHECK(value_in.dim() == 3, who, ": value must be 3-D [BH, N, dv]");
-  MAGICUBE_CHECK(value_in.scalar_type() == query_in.scalar_type(), who, ": value must be ", query_in.scalar_type(),
-              " like query, got ", value_in.scalar_type());
-  const int64_t dv = value_in.size(2) * (r.op == kInt4 ? 2 : 1);
-  MAGICUBE_CHECK(value_in.size(0) == r.bh, who, ": value must have BH = ", r.bh, " like query, got ",
-              value_in.size(0));
-  MAGICUBE_CHECK(value_in.size(1) == r.n, who, ": value must have N = ", r.n, " rows like key, got ",
-              value_in.size(1));
-  MAGICUBE_CHECK(dv == r.d, who, ": head dim dv of value (", dv, ") must equal the head dim d of query/key (",
-              r.d, ")");
-  MAGICUBE_CHECK(heads >= 1 && r.bh % heads == 0, who, ": heads must divide BH = ", r.bh, ", got ", heads);
-  if (r.op != kHalf) {
-    MAGICUBE_CHECK(scale_v.has_value(), who, ": integer inputs need scale_v");
-    r.p.sv_step = check_scale(who, *scale_v, "scale_v", r.bh, dv, device);
-    r.p.scale_v = scale_v->data_ptr<float>();
-    r.p.sv_bh = scale_v->stride(0);
+  check_cuda_tensor(query_in, "query", device);
+  const c10::cuda::CUDAGuard guard(device);
+  check_cuda_tensor(key_in, "key", device);
+  check_cuda_tensor(value_in, "value", device);
+  check_cuda_tensor(row_ptr, "row_ptr", device);
+  check_cuda_tensor(col_idx, "col_idx", device);
+  check_cuda_tensor(row_order, "row_order", device);
+  MAGICUBE_CHECK(v == 2 || v == 4 || v == 8, "sparse_attention: v must be 2, 4 or 8, got ", v);
+  MAGICUBE_CHECK(row_ptr.scalar_type() == at::kInt && col_idx.scalar_type() == at::kInt &&
+                  row_order.scalar_type() == at::kInt,
+              "sparse_attention: row_ptr, col_idx and row_order must be int32");
+  MAGICUBE_CHECK(row_ptr.dim() == 1 && col_idx.dim() == 1 && row_order.dim() == 1,
+              "sparse_attention: row_ptr, col_idx and row_order must be 1-D");
+  MAGICUBE_CHECK(row_ptr.numel() % 2 == 0, "sparse_attention: row_ptr must hold 2*(M/V) entries, got ",
+              row_ptr.numel());
+  const int64_t vrows = row_ptr.numel() / 2;
+  MAGICUBE_CHECK(row_order.numel() == vrows, "sparse_attention: row_order must hold M/V = ", vrows, " entries, got ",
+              row_order.numel());
+  MAGICUBE_CHECK(col_idx.numel() % 32 == 0, "sparse_attention: col_idx length ", col_idx.numel(),
+              " is not a multiple of the stride 32");
+  MAGICUBE_CHECK(query_in.dim() == 3 && key_in.dim() == 3 && value_in.dim() == 3,
+              "sparse_attention: query, key and value must be 3-D [BH, rows, d]");
+
+  const bool fp16 = query_in.scalar_type() == at::kHalf;
+  int op;
+  if (fp16) {
+    MAGICUBE_CHECK(key_in.scalar_type() == at::kHalf && value_in.scalar_type() == at::kHalf,
+                "sparse_attention: float16 query needs float16 key and value, got ", key_in.scalar_type(), " and ",
+                value_in.scalar_type());
+    MAGICUBE_CHECK(qk_bits == 16 && p_bits == 0,
+                "sparse_attention: float16 inputs take qk_bits=16 and p_bits=0 (fp16 probabilities), got qk_bits=",
+                qk_bits, ", p_bits=", p_bits);
+    MAGICUBE_CHECK(!scale_q.has_value() && !scale_k.has_value() && !scale_v.has_value(),
+                "sparse_attention: float16 inputs take no scale_q/scale_k/scale_v");
+    op = kHalf;
   } else {
-    MAGICUBE_CHECK(!scale_v.has_value(), who, ": float16 inputs take no scale_v");
+    const bool pair_ok = (qk_bits == 8 && (p_bits == 8 || p_bits == 16)) ||
+                         (qk_bits == 4 && (p_bits == 4 || p_bits == 8 || p_bits == 16)) ||
+                         (qk_bits == 16 && p_bits == 16);
+    MAGICUBE_CHECK(pair_ok, "sparse_attention: (p_bits, qk_bits) must be one of (8, 8), (16, 8), (4, 4), (8, 4), "
+                "(16, 4), (16, 16), got (", p_bits, ", ", qk_bits, ")");
+    const at::ScalarType want = qk_bits == 16 ? at::kShort : qk_bits == 8 ? at::kChar : at::kByte;
+    MAGICUBE_CHECK(query_in.scalar_type() == want && key_in.scalar_type() == want && value_in.scalar_type() == want,
+                "sparse_attention: qk_bits=", qk_bits, " needs ", want, " query, key and value, got ",
+                query_in.scalar_type(), ", ", key_in.scalar_type(), ", ", value_in.scalar_type());
+    op = qk_bits == 16 ? kInt16 : qk_bits == 8 ? kInt8 : kInt4;
   }
 
-  at::Tensor out = at::empty({r.bh / heads, r.m, heads, dv}, query_in.options().dtype(at::kHalf));
-  if (r.bh == 0 || r.vrows == 0) return out;
-  if (r.n == 0) return out.zero_();
-  const at::Tensor value = aligned16(value_in);
-  r.p.val = static_cast<const uint8_t*>(value.data_ptr());
-  r.p.out = reinterpret_cast<__half*>(out.data_ptr());
-  r.p.heads = static_cast<int>(heads);
-  dispatch<false>(r, p_bits);
-  return out;
-}
+  const int64_t bh = query_in.size(0), m = query_in.size(1), n = key_in.size(1);
+  const int64_t per_byte = op == kInt4 ? 2 : 1;
+  const int64_t d = query_in.size(2) * per_byte, dv = value_in.size(2) * per_byte;
+  MAGICUBE_CHECK(m == vrows * v, "sparse_attention: query has ", m, " rows, the pattern M = (M/V)*V = ", vrows * v);
+  MAGICUBE_CHECK(key_in.size(0) == bh && value_in.size(0) == bh, "sparse_attention: key and value must have BH = ", bh,
+              " like query, got ", key_in.size(0), " and ", value_in.size(0));
+  MAGICUBE_CHECK(key_in.size(2) == query_in.size(2), "sparse_attention: key's last dim (", key_in.size(2),
+              ") must match query's (", query_in.size(2), ")");
+  MAGICUBE_CHECK(value_in.size(1) == n, "sparse_attention: value must have N = ", n, " rows like key, got ",
+              value_in.size(1));
+  MAGICUBE_CHECK(d == 32 || d == 64 || d == 128, "sparse_attention: head dim d of query/key must be 32, 64 or 128, got ",
+              d);
+  MAGICUBE_CHECK(dv == d, "sparse_attention: head dim dv of value (", dv, ") must equal the head dim d of query/key (",
+              d, ")");
+  MAGICUBE_CHECK(bh <= 65535 && vrows <= INT32_MAX && n < INT32_MAX && m < INT32_MAX,
+              "sparse_attention: BH must be <= 65535 and M, N < 2^31");
+  MAGICUBE_CHECK(heads >= 1 && bh % heads == 0, "sparse_attention: heads must divide BH = ", bh, ", got ", heads);
+  Params p{};  // fp16 inputs leave the scales null
+  bool split = false;
+  if (op != kHalf) {
+    // int32 accumulators: a warp sums at most ceil(N/32) blocks of 32 slots (whole rows), or
+    // ceil(ceil(N/32)/4) (split rows); the largest per-slot term over all accumulators of a
+    // precision pair bounds N.
+    const int64_t term = (qk_bits == 16) ? 255 * 255 + 255 * 128 : 255 * 128;
+    const int64_t row_slots = (n + 31) / 32 * 32;
+    const int64_t slots = ((n + 31) / 32 + kWarps - 1) / kWarps * 32;
+    split = row_slots * term >= (int64_t(1) << 31);
+    MAGICUBE_CHECK(slots * term < (int64_t(1) << 31), "sparse_attention: N = ", n,
+                " keys exceed the exact int32 accumulation of this precision pair");
+    for (const auto* s : {&scale_q, &scale_k, &scale_v})
+      MAGICUBE_CHECK(s->has_value(), "sparse_attention: integer inputs need scale_q, scale_k and scale_v");
+    p.sq_step = check_scale(*scale_q, "scale_q", bh, m, device);
+    p.sk_step = check_scale(*scale_k, "scale_k", bh, n, device);
+    p.sv_step = check_scale(*scale_v, "scale_v", bh, dv, device);
+    p.scale_q = scale_q->data_ptr<float>();
+    p.scale_k = scale_k->data_ptr<float>();
+    p.scale_v = scale_v->data_ptr<float>();
+    p.sq_bh = scale_q->stride(0);
+    p.sk_bh = scale_k->stride(0);
+    p.sv_bh = scale_v->stride(0);
+  }
 
-std::tuple<at::Tensor, at::Tensor> attention_probs_cuda(
-    const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order, const at::Tensor& query_in,
-    const at::Tensor& key_in, const std::optional<at::Tensor>& scale_q, const std::optional<at::Tensor>& scale_k,
-    int64_t v, double softmax_scale, int64_t qk_bits, int64_t p_bits) {
-  const char* who = "attention_probs";
-  QueryKey r = check_query_key(who, row_ptr, col_idx, row_order, query_in, key_in, scale_q, scale_k, v,
-                               softmax_scale, qk_bits, p_bits);
-  const c10::cuda::CUDAGuard guard(query_in.device());
-  MAGICUBE_CHECK((r.op == kInt8 || r.op == kInt4) && r.d <= 64, who,
-                 ": built for 8- and 4-bit query and key of head dim 32 or 64, got qk_bits=", qk_bits, ", d=", r.d);
-  // sparse_softmax's containers: unsigned p_bits (int4 packed two a byte, 16-bit in int16).
-  const at::ScalarType type = p_bits == 16 ? at::kShort : at::kByte;
-  const int64_t width = p_bits == 4 ? r.nnz_pad * v / 2 : r.nnz_pad * v;
-  at::Tensor probs = at::empty({r.bh, width}, query_in.options().dtype(type));
-  at::Tensor row_scale = at::empty({r.bh, r.m}, query_in.options().dtype(at::kFloat));
-  if (r.bh == 0 || r.vrows == 0) return {probs, row_scale};
-  if (r.n == 0) return {probs.zero_(), row_scale.zero_()};
-  r.p.probs = static_cast<uint8_t*>(probs.data_ptr());
-  r.p.probs_bh_bytes = width * probs.element_size();
-  r.p.row_scale = row_scale.data_ptr<float>();
-  dispatch<true>(r, p_bits);
-  return {probs, row_scale};
+  at::Tensor out = at::empty({bh / heads, m, heads, dv}, query_in.options().dtype(at::kHalf));
+  if (bh == 0 || vrows == 0) return out;
+  if (n == 0) return out.zero_();
+  const at::Tensor query = aligned16(query_in), key = aligned16(key_in), value = aligned16(value_in);
+
+  p.row_ptr = row_ptr.data_ptr<int>();
+  p.col_idx = col_idx.data_ptr<int>();
+  p.row_order = row_order.data_ptr<int>();
+  p.q = static_cast<const uint8_t*>(query.data_ptr());
+  p.k = static_cast<const uint8_t*>(key.data_ptr());
+  p.val = static_cast<const uint8_t*>(value.data_ptr());
+  p.out = reinterpret_cast<__half*>(out.data_ptr());
+  p.heads = static_cast<int>(heads);
+  p.bh = static_cast<int>(bh);
+  p.m = static_cast<int>(m);
+  p.n = static_cast<int>(n);
+  p.v = static_cast<int>(v);
+  p.softmax_scale = static_cast<float>(softmax_scale);
+
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t nnz_pad = col_idx.numel();
+  if (op == kHalf) {
+    dispatch_layout<kHalf, 0>(p, split, d, vrows, bh, nnz_pad, stream);
+  } else if (op == kInt8) {
+    if (p_bits == 8) dispatch_layout<kInt8, 8>(p, split, d, vrows, bh, nnz_pad, stream);
+    else dispatch_layout<kInt8, 16>(p, split, d, vrows, bh, nnz_pad, stream);
+  } else if (op == kInt4) {
+    if (p_bits == 4) dispatch_layout<kInt4, 4>(p, split, d, vrows, bh, nnz_pad, stream);
+    else if (p_bits == 8) dispatch_layout<kInt4, 8>(p, split, d, vrows, bh, nnz_pad, stream);
+    else dispatch_layout<kInt4, 16>(p, split, d, vrows, bh, nnz_pad, stream);
+  } else {
+    dispatch_layout<kInt16, 16>(p, split, d, vrows, bh, nnz_pad, stream);
+  }
+  return out;
 }
 
 }  // namespace
@@ -331,12 +261,6 @@ TORCH_LIBRARY_FRAGMENT(magicube_cuda, m) {
       "Tensor? scale_q, Tensor? scale_k, Tensor? scale_v, int v, float softmax_scale, int qk_bits, int p_bits, "
       "int heads) "
       "-> Tensor");
-  m.def(
-      "attention_probs(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor query, Tensor key, Tensor? scale_q, "
-      "Tensor? scale_k, int v, float softmax_scale, int qk_bits, int p_bits) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(magicube_cuda, CUDA, m) {
-  m.impl("sparse_attention", &sparse_attention_cuda);
-  m.impl("attention_probs", &attention_probs_cuda);
-}
+TORCH_LIBRARY_IMPL(magicube_cuda, CUDA, m) { m.impl("sparse_attention", &sparse_attention_cuda); }

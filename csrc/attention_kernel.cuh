@@ -1,9 +1,6 @@
 // Fused sparse attention on SR-BCRS: out = spmm(softmax_quantized(sddmm(Q, K)), V) in one kernel,
 // with the roundings of the three-op pipeline (fp16 scores as the SDDMM writes them, probabilities
 // quantized to p_bits unsigned or fp16, exact integer accumulation, one fp16 rounding at the end).
-// EMIT instantiations stop at the probabilities: pass 2 writes them (and the row scales) in the
-// SR-BCRS layout of sparse_softmax instead of multiplying them by V, for an SpMM to finish the
-// product: sparse_softmax(sddmm(Q, K)) in one kernel (see attention.cu for when that pays).
 //
 // Two layouts. Whole rows (the default): one warp = one vector row (V query rows sharing their kept
 // keys) of one batch x head, one CTA = 4 vector rows of the same batch x head, neighbours in
@@ -82,11 +79,6 @@ struct Params {
   // [BH / heads, M, heads, DV]: batch x head bh = b * heads + h writes rows of b, head slot h, the
   // layout of [B, M, heads * DV] that the output projection reads.
   __half* out;
-  // EMIT: probabilities [BH, nnz_pad * V] (containers of p_bits, fp16 for p_bits 0), probs_bh_bytes
-  // per batch x head, and row scales [BH, M] (1 / (row sum * qmax); 1 for fp16).
-  uint8_t* probs;
-  float* row_scale;
-  int64_t probs_bh_bytes;
   int heads;
   int bh, m, n, v;
   int cached;              // blocks per warp whose scores stay in shared memory
@@ -243,13 +235,7 @@ __device__ __forceinline__ const float* strided(const float* base, uint32_t i, u
   return reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(base) + i * step);
 }
 
-// Element i of a[0..3], i known only at run time, without the local-memory copy that indexing a
-// register array by a run-time value costs.
-__device__ __forceinline__ uint32_t pick(const uint32_t (&a)[4], int i) {
-  return i == 0 ? a[0] : i == 1 ? a[1] : i == 2 ? a[2] : a[3];
-}
-
-template <int OP, int PB, int D, int DV, bool SPLIT, bool EMIT>
+template <int OP, int PB, int D, int DV, bool SPLIT>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   using C = Cfg<OP, PB, D, DV>;
   constexpr int NW = C::kLaneWords;
@@ -312,7 +298,6 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   // ---- The warp's tile stream, in the order the tiles are consumed: pass 1 key tiles of blocks
   // 0..nbw-1 (phase 0); fp16: the key tiles past the cache again (phase 1); pass 2 value tiles of
   // the cached blocks (phase 2); then key and value tile of each block past the cache (phase 3).
-  // EMIT streams no value tile: no phase 2, and phase 3 only the key tiles.
   // The issue side runs kStages - 1 tiles ahead of the consumer and walks the same order.
   //
   // Copy map: LPR lanes share a row (up to 4, 64 bytes), so one 16-byte cp.async of the warp
@@ -335,7 +320,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
 #pragma unroll
   for (int k = 0; k < kRows; ++k) row_dst[k] = pinned(C::tile_offset(lane / LPR + kRowStep * k, lane_chunk * 16));
   const uint8_t* const key_base = pinned(p.k + bh * p.n * RB + lane_chunk * 16);
-  const uint8_t* const val_base = EMIT ? nullptr : pinned(p.val + bh * p.n * RB + lane_chunk * 16);
+  const uint8_t* const val_base = pinned(p.val + bh * p.n * RB + lane_chunk * 16);
   const float* const sk_base = pinned(p.scale_k + bh * p.sk_bh);
   const int* const warp_cols = p.col_idx + start + (SPLIT ? warp : 0) * kSlots + lane;  // + j * kBlockStride * kSlots
   const uint32_t n_cols = static_cast<uint32_t>(p.n);
@@ -378,7 +363,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   auto settle = [&]() {
     if (iss_phase == 0 && iss_j >= nbw) { iss_phase = 1; iss_j = p.cached; }
     if (iss_phase == 1 && (!C::kFp16 || iss_j >= nbw)) { iss_phase = 2; iss_j = 0; }
-    if (iss_phase == 2 && (EMIT || iss_j >= nc)) { iss_phase = 3; iss_j = p.cached; }
+    if (iss_phase == 2 && iss_j >= nc) { iss_phase = 3; iss_j = p.cached; }
     if (iss_phase == 3 && iss_j >= nbw) iss_phase = 4;
   };
   settle();
@@ -397,7 +382,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       ++iss_j;
     } else if (iss_phase < 4) {
       issue_key(iss_dst, iss_j, iss_phase);
-      if (!EMIT && iss_phase == 3) iss_val = true;
+      if (iss_phase == 3) iss_val = true;
       else ++iss_j;
     }
     cp_async_commit();
@@ -687,86 +672,17 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     }
   };
 
-  // EMIT: the block's probabilities, stored as sparse_softmax lays them out: block b of the
-  // pattern holds V rows of 32 slots, row g at b * V * kPRowBytes + g * kPRowBytes. A lane holds
-  // slot pairs 8n + 2t, 8n + 2t + 1 (n = 0..3) of row g; a transpose inside each quad of lanes
-  // gives lane t the 8 consecutive slots 8t..8t + 7, stored as one vector.
-  constexpr int kPBits = C::kFp16 ? 16 : PB;
-  constexpr int kPRowBytes = kSlots * kPBits / 8;
-  auto block_emit = [&](int j, const uint32_t (&h)[4], uint32_t bits) {
-    float e[4][2];
-    block_exp(h, bits, e);
-    uint32_t pair[4];  // slots 8n + 2t (low bits) and 8n + 2t + 1
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      if constexpr (C::kFp16) {
-        const __half p0 = e[n][0] > 0.f ? __float2half_rn(e[n][0] / row_sum) : __float2half_rn(0.f);
-        const __half p1 = e[n][1] > 0.f ? __float2half_rn(e[n][1] / row_sum) : __float2half_rn(0.f);
-        pair[n] = pack_half2(p0, p1);
-      } else {
-        constexpr float kQmax = static_cast<float>((1 << PB) - 1);
-        sum += e[n][0] + e[n][1];
-        const uint32_t q0 = static_cast<uint32_t>(fminf(rintf(e[n][0] * kQmax), kQmax));
-        const uint32_t q1 = static_cast<uint32_t>(fminf(rintf(e[n][1] * kQmax), kQmax));
-        pair[n] = q0 | (q1 << PB);
-      }
-    }
-    // Round r: lane t sends its pair of slot group t ^ r to lane t ^ r and receives that lane's
-    // pair of group t, which is slots 8t + 2 (t ^ r), + 1.
-    uint32_t got[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) got[r] = r == 0 ? pair[t] : __shfl_xor_sync(0xffffffffu, pick(pair, t ^ r), r);
-    if (!row_live) return;
-    uint32_t run[4];  // pairs k = 0..3 of slots 8t + 2k, 8t + 2k + 1
-#pragma unroll
-    for (int k = 0; k < 4; ++k) run[k] = pick(got, t ^ k);
-    const int block = start / kSlots + (SPLIT ? warp + j * kWarps : j);
-    uint8_t* dst = p.probs + bh * p.probs_bh_bytes + (static_cast<int64_t>(block) * v + g) * kPRowBytes +
-                   t * kPRowBytes / 4;
-    if constexpr (kPBits == 16) {
-      *reinterpret_cast<uint4*>(dst) = make_uint4(run[0], run[1], run[2], run[3]);
-    } else if constexpr (kPBits == 8) {
-      *reinterpret_cast<uint2*>(dst) = make_uint2(run[0] | (run[1] << 16), run[2] | (run[3] << 16));
-    } else {
-      *reinterpret_cast<uint32_t*>(dst) = run[0] | (run[1] << 8) | (run[2] << 16) | (run[3] << 24);
-    }
-  };
-
 #pragma unroll 1
   for (int j = 0; j < nbw; ++j) {
     uint32_t h[4], bits;
     scores_of(j, h, bits);
-    if constexpr (EMIT) block_emit(j, h, bits);
-    else block_pv(next_tile(), h, bits);
+    block_pv(next_tile(), h, bits);
   }
 
   if constexpr (!C::kFp16) {
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     if (SPLIT && t == 0) red_sum[warp][g] = sum;
-  }
-
-  if constexpr (EMIT) {
-    // Row scales as sparse_softmax gives them: 1 / (s * qmax), 0 where no slot is kept; 1 for fp16.
-    // The row sum is summed in the order of the fused kernel's epilogue, so the two-kernel
-    // attention and the fused one agree bit for bit.
-    auto row_scale = [](float s) {
-      constexpr float kQmax = static_cast<float>((1 << PB) - 1);
-      return C::kFp16 ? 1.f : s > 0.f ? 1.f / (s * kQmax) : 0.f;
-    };
-    float* const rs = p.row_scale + bh * p.m + static_cast<int64_t>(vrow) * v;
-    if constexpr (SPLIT) {
-      __syncthreads();
-      if (threadIdx.x < v) {
-        float s = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) s += red_sum[w][threadIdx.x];
-        rs[threadIdx.x] = row_scale(s);
-      }
-    } else if (t == 0 && row_live) {
-      rs[g] = row_scale(sum);
-    }
-    return;
   }
 
   // The output element of accumulator (mt, e): query row 2t + (e & 1), column dv_of(mt, g + 8 (e >> 1)).

@@ -102,7 +102,7 @@ void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
 at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order,
                      const at::Tensor& a_values, const at::Tensor& b, const std::optional<at::Tensor>& scale_a,
                      const std::optional<at::Tensor>& scale_b, int64_t v, int64_t m, int64_t a_bits, bool a_signed,
-                     int64_t b_bits, at::ScalarType out_dtype, int64_t heads) {
+                     int64_t b_bits, at::ScalarType out_dtype) {
   const at::Device device = b.device();
   check_cuda_tensor(b, "b", device);
   check_cuda_tensor(row_ptr, "row_ptr", device);
@@ -122,7 +122,6 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
               " is not a multiple of the stride ", kSlots);
   MAGICUBE_CHECK(b.dim() == 3, "spmm: b must be [BH, K, N], got ", b.dim(), " dims");
   const int64_t bh = b.size(0), k = b.size(1), nnz_pad = col_idx.numel();
-  MAGICUBE_CHECK(heads >= 1 && bh % heads == 0, "spmm: heads must divide BH = ", bh, ", got ", heads);
 
   const bool fp16 = a_values.scalar_type() == at::kHalf;
   int64_t n;
@@ -176,9 +175,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
               "spmm: sizes out of range (M, N, K < 2^31, BH <= 65535)");
 
   c10::cuda::CUDAGuard guard(device);
-  // [BH / heads, M, heads, N]; with one head, the op's [BH, M, N].
-  at::Tensor out = at::empty({bh / heads, m, heads, n}, b.options().dtype(out_dtype));
-  if (heads == 1) out = out.view({bh, m, n});
+  at::Tensor out = at::empty({bh, m, n}, b.options().dtype(out_dtype));
   if (out.numel() == 0) return out;
 
   const at::Tensor a_al = aligned16(a_values);
@@ -208,7 +205,6 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   p.n = static_cast<int>(n);
   p.k = static_cast<int>(k);
   p.v = static_cast<int>(v);
-  p.heads = static_cast<int>(heads);
   p.row_bytes = static_cast<int>(row_bytes);
   p.copy_bytes = copy_bytes;
   p.out_int64 = out_dtype == at::kLong;
@@ -239,8 +235,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
 TORCH_LIBRARY_FRAGMENT(magicube_cuda, m) {
   m.def(
       "spmm(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor a_values, Tensor b, Tensor? scale_a, "
-      "Tensor? scale_b, int v, int m, int a_bits, bool a_signed, int b_bits, ScalarType out_dtype, int heads=1) "
-      "-> Tensor");
+      "Tensor? scale_b, int v, int m, int a_bits, bool a_signed, int b_bits, ScalarType out_dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(magicube_cuda, CUDA, m) { m.impl("spmm", &spmm_cuda); }

@@ -64,11 +64,10 @@ struct Params {
   const uint8_t* b;     // dense, [BH, K, row_bytes]
   const float* scale_a; // [BH, M] or null
   const float* scale_b; // [BH, N] or null
-  void* out;            // [BH / heads, M, heads, N] (bh = b * heads + h): int64, or fp16
+  void* out;            // [BH, M, N]: int64, or fp16
   int64_t a_bh_bytes;
   int64_t b_bh_bytes;
   int m, n, k, v;
-  int heads;
   int row_bytes;        // bytes of one dense row of B
   int copy_bytes;       // generic path: 8 or 4 (cp.async piece) or 1 (synchronous bytes)
   bool out_int64;
@@ -275,12 +274,7 @@ __device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<A
   const int v = p.v;
   const int ncols = p.n - n0;
   const bool rows_live = 2 * t < v;
-  const int64_t orow = (int64_t)bh * p.m + (int64_t)vrow * v + 2 * t;  // row of A and of scale_a
-  // Output row orow + i starts at out_row + i * row_step elements: rows of head h = bh % heads of
-  // batch b = bh / heads lie heads * N elements apart.
-  const int b = bh / p.heads, h = bh - b * p.heads;
-  const int64_t row_step = static_cast<int64_t>(p.heads) * p.n;
-  const int64_t out_row = (((int64_t)b * p.m + (int64_t)vrow * v + 2 * t) * p.heads + h) * p.n;
+  const int64_t orow = (int64_t)bh * p.m + (int64_t)vrow * v + 2 * t;
   auto col_of = [&](int mt, int j) { return K::tile_col(mt, g + 8 * (j >> 1)); };
 
   // Stores fragment elements that are adjacent columns of one output row as one vector: (j, j+2)
@@ -306,7 +300,7 @@ __device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<A
             x[2] = value(2 * c, i + 2);
             x[3] = value(2 * c + 1, i + 2);
           }
-          if (rows_live) store_run<W>(out + out_row + i * row_step + n0, col_of(W == 2 ? c : 2 * c, 0), ncols, vec, x);
+          if (rows_live) store_run<W>(out + (orow + i) * p.n + n0, col_of(W == 2 ? c : 2 * c, 0), ncols, vec, x);
         }
     } else if constexpr (sizeof(T) == 2) {
       const bool vec = p.n % 2 == 0;
@@ -319,7 +313,7 @@ __device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<A
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const T x[2] = {odd ? yr[i] : h[i], odd ? h[i + 2] : yr[i]};
-          if (rows_live) store_run<2>(out + out_row + i * row_step + n0, col_of(mt, 0) + (odd ? 7 : 0), ncols, vec, x);
+          if (rows_live) store_run<2>(out + (orow + i) * p.n + n0, col_of(mt, 0) + (odd ? 7 : 0), ncols, vec, x);
         }
       }
     } else {
@@ -328,7 +322,7 @@ __device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<A
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const T x[1] = {value(mt, j)};
-          if (rows_live) store_run<1>(out + out_row + (j & 1) * row_step + n0, col_of(mt, j), ncols, true, x);
+          if (rows_live) store_run<1>(out + (orow + (j & 1)) * p.n + n0, col_of(mt, j), ncols, true, x);
         }
     }
   };

@@ -10,9 +10,7 @@ One attention layer's core, out = softmax(Q K^T / sqrt(d)) V, for Q, K, V of [B*
 - the three-op pipeline magicube sddmm -> sparse_softmax -> spmm, in fp16 and 8b-8b / 16b-8b / 8b-4b
   (probability bits - Q/K/V bits);
 - the fused op (one kernel), same precisions, writing [B, L, H, d] (the layout an output projection
-  reads; the dense and pipeline rows return [B*H, L, d]);
-- the two-kernel attention (quantized): the fused kernel stopped at the probabilities, then the
-  SpMM, also writing [B, L, H, d]; the op's default where it is built (ops/library.py).
+  reads; the dense and pipeline rows return [B*H, L, d]).
 
 Quantized rows include quantizing Q, K and V from the projection output as the model's layer
 does (absmax scales per batch x head, model.lra.quantize_qkv), which is also timed on its own.
@@ -35,7 +33,7 @@ import torch.nn.functional as F
 
 from magicube.eval.timing import cuda_time, device_slug, environment, save_json
 from magicube.model.lra import quantize_qkv
-from magicube.ops import SRBCRS, extension, library, random_vector_mask
+from magicube.ops import SRBCRS, extension, random_vector_mask
 
 FULL = dict(b=[2, 8], h=[4, 8], seq=[4096, 8192], sparsity=[0.9, 0.95])
 QUICK = dict(b=[8], h=[4], seq=[4096], sparsity=[0.9, 0.95])
@@ -139,10 +137,6 @@ def run_config(b, h, seq, sparsity, reps, pipeline, log):
             add(f"pipeline {label}", three_ops, ref_sparse, quant_ms)
         add(f"fused {label}", lambda qq=qq, kq=kq, vq=vq, sq=sq, sk=sk, sv=sv, p_bits=p_bits, qk_bits=qk_bits:
             ops.sparse_attention(*pattern, qq, kq, vq, sq, sk, sv, V, scale, qk_bits, p_bits, h), ref_sparse, quant_ms)
-        if pipeline:
-            add(f"two-kernel {label}", lambda qq=qq, kq=kq, vq=vq, sq=sq, sk=sk, sv=sv, p_bits=p_bits, qk_bits=qk_bits:
-                library.two_kernel_attention(ops, *pattern, qq, kq, vq, sq, sk, sv, V, scale, qk_bits, p_bits, h),
-                ref_sparse, quant_ms)
         del qq, kq, vq, sq, sk, sv, scales
     flash = next(r["total_ms"] for r in records if r["method"] == "SDPA flash fp16")
     for r in records:
@@ -160,8 +154,7 @@ def summarize(records):
                              flash_us=by["SDPA flash fp16"]["ms"] * 1e3,
                              speedup_vs_flash_with_quantization=r["speedup_vs_flash"],
                              speedup_vs_flash_kernel_only=by["SDPA flash fp16"]["ms"] / r["ms"],
-                             pipeline_us=by.get("pipeline 8b-8b", {}).get("total_ms", math.nan) * 1e3,
-                             two_kernel_us=by.get("two-kernel 8b-8b", {}).get("ms", math.nan) * 1e3)
+                             pipeline_us=by.get("pipeline 8b-8b", {}).get("total_ms", math.nan) * 1e3)
     return out
 
 
@@ -182,8 +175,7 @@ def plot(records, path: Path, title: str):
             if m not in rs:
                 continue
             r = rs[m]
-            c = colors.get(r["kind"], "tab:blue" if m.startswith("fused") else
-                           "tab:green" if m.startswith("two-kernel") else "tab:orange")
+            c = colors.get(r["kind"], "tab:blue" if m.startswith("fused") else "tab:orange")
             ax.barh(y, r["ms"] * 1e3, color=c)
             if r["quant_ms"]:
                 ax.barh(y, r["quant_ms"] * 1e3, left=r["ms"] * 1e3, color=c, alpha=0.4, hatch="//")

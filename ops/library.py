@@ -7,8 +7,6 @@ implementations give shapes to `torch.compile`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import extension, reference
@@ -218,37 +216,6 @@ CHECKS = {"quantize": check_quantize, "spmm": check_spmm, "sddmm": check_sddmm, 
 # ---------------------------------------------------------------------------------------------
 # Implementations.
 
-ATTENTION_KERNEL_ENV = "MAGICUBE_ATTENTION_KERNEL"
-ATTENTION_KERNELS = ("auto", "fused", "two-kernel")
-
-
-def attention_kernel(query, qk_bits, p_bits) -> str:
-    """Which CUDA path runs sparse_attention: "fused" (one kernel) or "two-kernel" (the fused
-    kernel stopped at the quantized probabilities, written in SR-BCRS, then the SpMM, whose
-    resident-B kernel reads a narrow V from shared memory instead of gathering its rows from L2).
-    Both compute the same function bit for bit. The two-kernel path is built for 8- and 4-bit
-    Q/K/V of head dim 32 or 64, and "auto" takes it there; MAGICUBE_ATTENTION_KERNEL=fused|two-kernel
-    forces a choice (tests, benchmarks)."""
-    choice = os.environ.get(ATTENTION_KERNEL_ENV, "auto")
-    if choice not in ATTENTION_KERNELS:
-        raise ValueError(f"{ATTENTION_KERNEL_ENV}: expected one of {ATTENTION_KERNELS}, got {choice!r}")
-    d = query.shape[2] * (2 if qk_bits == 4 else 1)
-    built = qk_bits in (8, 4) and p_bits != 0 and d in (32, 64)
-    return "two-kernel" if built and choice != "fused" else "fused"
-
-
-def two_kernel_attention(kernels, row_ptr, col_idx, row_order, query, key, value, scale_q, scale_k, scale_v, v,
-                          softmax_scale, qk_bits, p_bits, heads):
-    """sparse_attention's arguments (after `kernels`, torch.ops.magicube_cuda with the attention and
-    spmm families loaded) through attention_probs and the SpMM: [BH / heads, M, heads, dv]."""
-    probs, row_scale = kernels.attention_probs(row_ptr, col_idx, row_order, query, key, scale_q, scale_k, v,
-                                               softmax_scale, qk_bits, p_bits)
-    bh, m = query.shape[0], query.shape[1]
-    out = kernels.spmm(row_ptr, col_idx, row_order, probs, value, row_scale, scale_v.contiguous(), v, m, p_bits,
-                       False, qk_bits, torch.float16, heads)
-    return out.view(bh // heads, m, heads, -1)
-
-
 def _register(name):
     check, ref = CHECKS[name], getattr(reference, name)
 
@@ -261,9 +228,6 @@ def _register(name):
         kernels = extension.ops_or_none(name)
         if kernels is None:
             return ref(*args)
-        if (name == "sparse_attention" and attention_kernel(args[3], args[11], args[12]) == "two-kernel"
-                and extension.ops_or_none("spmm") is not None):
-            return two_kernel_attention(kernels, *args)
         return getattr(kernels, name)(*args)
 
     torch.library.impl(f"{NAMESPACE}::{name}", "CPU")(cpu)

@@ -206,26 +206,3 @@ def test_quantize_rejects_bad_inputs_with_messages():
             op(xi, si, 8, True)
     with pytest.raises(ValueError, match=r"bits: expected one of \(4, 8, 16\) for unsigned data, got 12"):
         op(x, s, 12, False)
-
-
-def test_attention_kernel_choice(monkeypatch):
-    """sparse_attention's CUDA path: two kernels where attention_probs is built (8- and 4-bit Q/K/V,
-    head dim 32 or 64, quantized probabilities), the fused kernel elsewhere or when forced; a bad
-    MAGICUBE_ATTENTION_KERNEL is named."""
-    from magicube.ops import library
-
-    q8 = torch.zeros(2, 16, 64, dtype=torch.int8)
-    q4 = torch.zeros(2, 16, 32, dtype=torch.uint8)  # d = 64, packed
-    monkeypatch.delenv(library.ATTENTION_KERNEL_ENV, raising=False)
-    assert library.attention_kernel(q8, 8, 8) == "two-kernel"
-    assert library.attention_kernel(q4, 4, 8) == "two-kernel"
-    assert library.attention_kernel(torch.zeros(2, 16, 128, dtype=torch.int8), 8, 8) == "fused"
-    assert library.attention_kernel(torch.zeros(2, 16, 64, dtype=torch.int16), 16, 16) == "fused"
-    assert library.attention_kernel(torch.zeros(2, 16, 64, dtype=torch.float16), 16, 0) == "fused"
-    monkeypatch.setenv(library.ATTENTION_KERNEL_ENV, "fused")
-    assert library.attention_kernel(q8, 8, 8) == "fused"
-    monkeypatch.setenv(library.ATTENTION_KERNEL_ENV, "two-kernel")
-    assert library.attention_kernel(torch.zeros(2, 16, 64, dtype=torch.float16), 16, 0) == "fused"
-    monkeypatch.setenv(library.ATTENTION_KERNEL_ENV, "three")
-    with pytest.raises(ValueError, match="MAGICUBE_ATTENTION_KERNEL: expected one of .* got 'three'"):
-        library.attention_kernel(q8, 8, 8)

@@ -176,31 +176,6 @@ def test_warps_take_several_rows(kernels, a_bits, b_bits, a_signed, v):
     assert torch.equal(got, want), "fp16 output differs"
 
 
-@pytest.mark.parametrize("heads", [2, 3])
-@pytest.mark.parametrize("a_bits, b_bits, a_signed", [(8, 8, False), (16, 8, False), (8, 4, False), (16, 16, True)],
-                         ids=["L8u-R8", "L16u-R8", "L8u-R4", "L16-R16"])
-def test_heads_layout(kernels, a_bits, b_bits, a_signed, heads):
-    """heads > 1 writes [BH / heads, M, heads, N] (bh = b * heads + h), the layout an attention
-    layer's output projection reads: the [BH, M, N] result with its heads moved beside each other,
-    bit for bit, int64 and fp16."""
-    bh, rows, k, n, v = 2 * heads, 9, 300, 64, 8
-    g = torch.Generator().manual_seed(heads)
-    p, emask = problem(bh, rows, k, v, 0.7, seed=heads)
-    a_values, b = _inputs(p, emask, bh, k, n, a_bits, a_signed, b_bits, g)
-    sa, sb = _scales(bh, p.m, n, g, a_bits, b_bits)
-    cuda = p.to("cuda")
-    pat = (cuda.row_ptr, cuda.col_idx, cuda.row_order)
-    args = [x.cuda() for x in (a_values, b, sa, sb)]
-    for out_dtype in (torch.int64, torch.float16):
-        flat = kernels.spmm(*pat, *args, v, p.m, a_bits, a_signed, b_bits, out_dtype)
-        poison_allocator(-0x5A5A5A5A5A5A5A5A, torch.int64)
-        got = kernels.spmm(*pat, *args, v, p.m, a_bits, a_signed, b_bits, out_dtype, heads)
-        assert got.shape == (bh // heads, p.m, heads, n) and got.is_contiguous()
-        assert torch.equal(got, flat.view(bh // heads, heads, p.m, n).transpose(1, 2)), f"{out_dtype}"
-    with pytest.raises(RuntimeError, match="heads must divide"):
-        kernels.spmm(*pat, *args, v, p.m, a_bits, a_signed, b_bits, torch.int64, bh + 1)
-
-
 @pytest.mark.parametrize("n", [37, 6])
 def test_fp16_kernel_odd_rows(kernels, n):
     """fp16 output rows that do not admit paired stores (odd N) and N % 4 == 2."""
