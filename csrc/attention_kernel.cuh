@@ -116,9 +116,8 @@ struct Cfg {
   static __device__ __forceinline__ uint32_t tile_offset(int row, int byte) {
     return row * kRowStride + ((((byte >> 4) ^ swizzle(row)) << 4) | (byte & 15));
   }
-  // A tile: 32 gathered rows, then (key tiles) the 32 key scales and the mask of live slots.
-  static constexpr int kMetaOffset = kSlots * kRowStride;
-  static constexpr int kTileBytes = kMetaOffset + kSlots * 4 + 16;
+  // A value tile: the 32 gathered rows of a block.
+  static constexpr int kTileBytes = kSlots * kRowStride;
   static constexpr int kPPlanes = PB == 16 ? 2 : 1;
   static constexpr int kVPlanes = OP == kInt16 ? 2 : 1;
   static constexpr int kAccSets = kPPlanes == 2 && kVPlanes == 2 ? 3 : kPPlanes * kVPlanes;
@@ -153,22 +152,6 @@ __device__ __forceinline__ void ldg_words(uint32_t (&w)[NB / 4], const uint8_t* 
     w[0] = x.x; w[1] = x.y;
   } else {
     w[0] = *reinterpret_cast<const uint32_t*>(src);
-  }
-}
-
-// NB bytes at `offset` of a swizzled tile: chunk u of the run lies at offset ^ 16 u.
-template <int NB>
-__device__ __forceinline__ void lds_words(uint32_t (&w)[NB / 4], uint32_t tile, uint32_t offset) {
-  if constexpr (NB >= 16) {
-#pragma unroll
-    for (int u = 0; u < NB / 16; ++u)
-      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(w[4 * u]), "=r"(w[4 * u + 1]), "=r"(w[4 * u + 2]), "=r"(w[4 * u + 3])
-                   : "r"(tile + (offset ^ (16 * u))));
-  } else if constexpr (NB == 8) {
-    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(w[0]), "=r"(w[1]) : "r"(tile + offset));
-  } else {
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w[0]) : "r"(tile + offset));
   }
 }
 
@@ -258,8 +241,6 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   // This warp's blocks: block (SPLIT ? warp : 0) + j * kBlockStride for j < nbw.
   constexpr int kBlockStride = SPLIT ? kWarps : 1;
   const int nbw = !SPLIT ? nb : nb > warp ? (nb - warp + kWarps - 1) / kWarps : 0;
-  const int nu = nbw > p.cached ? nbw - p.cached : 0;  // ... past the score cache
-  const int nc = nbw - nu;
   const bool row_live = g < v;
   const int64_t qrow0 = bh * p.m + static_cast<int64_t>(vrow) * v;
   const float softmax_scale = p.softmax_scale;
@@ -295,20 +276,18 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   }
   auto block_cols = [&](int j) { return cols + (SPLIT ? warp + j * kWarps : warp * p.cached + j) * kSlots; };
 
-  // ---- The warp's tile stream, in the order the tiles are consumed: pass 1 key tiles of blocks
-  // 0..nbw-1 (phase 0); fp16: the key tiles past the cache again (phase 1); pass 2 value tiles of
-  // the cached blocks (phase 2); then key and value tile of each block past the cache (phase 3).
-  // The issue side runs kStages - 1 tiles ahead of the consumer and walks the same order.
+  // ---- The warp's value tiles, blocks 0..nbw-1 in the order pass 2 consumes them, streamed
+  // through a per-warp ring from the start of the kernel: the first kStages - 1 land while pass 1
+  // runs.
   //
   // Copy map: LPR lanes share a row (up to 4, 64 bytes), so one 16-byte cp.async of the warp
   // covers 32 / LPR rows: lane copies rows lane / LPR + (32 / LPR) k of a tile, 16-byte chunks
   // LPR u + lane % LPR. The gathers are bound by L1 wavefronts, which grow with the rows an
   // instruction touches: 8 rows of 64 bytes an instruction instead of 16 rows of 32 took 8b-8b
   // from 240 to 217-220 us, fp16 from 410-418 to 324-335 (H200, same run; 32-byte rows, as
-  // 4-bit d = 64, stay at 16 rows). A lane's source addresses are its kRows columns times the row
-  // bytes, the same for the key and the value tile of a block. In the tile, chunk LPR u + lane % LPR
-  // of a row lies at the row's offset for chunk lane % LPR, XOR 16 LPR u.
-  static_assert(C::kKeyBytes == C::kValBytes, "key and value tiles share their copy offsets");
+  // 4-bit d = 64, stay at 16 rows). In the tile, chunk LPR u + lane % LPR of a row lies at the
+  // row's offset for chunk lane % LPR, XOR 16 LPR u.
+  static_assert(C::kKeyBytes == C::kValBytes, "key and value rows have one size");
   constexpr int RB = C::kKeyBytes;
   constexpr int CPR = RB / 16;
   constexpr int LPR = CPR < 4 ? CPR : 4;
@@ -319,7 +298,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   uint32_t row_dst[kRows];
 #pragma unroll
   for (int k = 0; k < kRows; ++k) row_dst[k] = pinned(C::tile_offset(lane / LPR + kRowStep * k, lane_chunk * 16));
-  const uint8_t* const key_base = pinned(p.k + bh * p.n * RB + lane_chunk * 16);
+  const uint8_t* const key_base = pinned(p.k + bh * p.n * RB + t * C::kLaneBytes);
   const uint8_t* const val_base = pinned(p.val + bh * p.n * RB + lane_chunk * 16);
   const float* const sk_base = pinned(p.scale_k + bh * p.sk_bh);
   const int* const warp_cols = p.col_idx + start + (SPLIT ? warp : 0) * kSlots + lane;  // + j * kBlockStride * kSlots
@@ -328,65 +307,30 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   const uint32_t ring_end = ring + C::kStages * C::kTileBytes;
   // Score cache, per lane and block: 4 half2 scores.
   uint32_t* cache = reinterpret_cast<uint32_t*>(smem + C::kStageSmem) + warp * p.cached * C::kCacheWords * 32;
+  // The column of slot `lane` of block j: staged (cached blocks) or from global memory.
+  auto col_of = [&](int j) { return j < p.cached ? block_cols(j)[lane] : warp_cols[j * kBlockStride * kSlots]; };
 
-  auto copy_tile = [&](uint32_t dst, const uint8_t* base, const int (&c)[kRows]) {
-#pragma unroll
-    for (int k = 0; k < kRows; ++k) {
-      const bool live = static_cast<uint32_t>(c[k]) < n_cols;
-      const uint8_t* src = base + static_cast<uint64_t>(live ? static_cast<uint32_t>(c[k]) : 0u) * RB;
-#pragma unroll
-      for (int u = 0; u < kChunks; ++u)
-        cp_async16(dst + (row_dst[k] ^ (16 * LPR * u)), src + 16 * LPR * u, live ? 16 : 0);
-    }
-  };
-  // Past the cache: the column of slot `lane` of the next key tile to issue, loaded one key tile
+  // Past the cache: the column of slot `lane` of the next value tile to issue, loaded one tile
   // ahead so the gather addresses never wait on a dependent global load.
   int pf_col = -1;
-  int cur_cols[kRows];  // copy columns of the last key tile issued (its value tile follows in phase 3)
-  auto issue_key = [&](uint32_t dst, int j, int phase) {
-    const int col_l = j < p.cached ? block_cols(j)[lane] : pf_col;
-#pragma unroll
-    for (int k = 0; k < kRows; ++k) cur_cols[k] = __shfl_sync(0xffffffffu, col_l, lane / LPR + kRowStep * k);
-    copy_tile(dst, key_base, cur_cols);
-    // Slot metadata for the scores: the key scales and the mask of live slots.
-    const bool live = static_cast<uint32_t>(col_l) < n_cols;
-    const uint32_t live_mask = __ballot_sync(0xffffffffu, live);
-    if constexpr (!C::kFp16) {
-      cp_async4(dst + C::kMetaOffset + lane * 4, strided(sk_base, live ? col_l : 0u, p.sk_step), live ? 4 : 0);
-    }
-    if (lane == 0) asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dst + C::kMetaOffset + kSlots * 4), "r"(live_mask));
-    const int next = j + 1 < nbw ? j + 1 : (phase != 3 && nu > 0 ? p.cached : -1);
-    if (next >= p.cached) pf_col = warp_cols[next * kBlockStride * kSlots];
-  };
-  int iss_phase = 0, iss_j = 0;
-  bool iss_val = false;  // phase 3: the value tile of block iss_j is next
-  auto settle = [&]() {
-    if (iss_phase == 0 && iss_j >= nbw) { iss_phase = 1; iss_j = p.cached; }
-    if (iss_phase == 1 && (!C::kFp16 || iss_j >= nbw)) { iss_phase = 2; iss_j = 0; }
-    if (iss_phase == 2 && iss_j >= nc) { iss_phase = 3; iss_j = p.cached; }
-    if (iss_phase == 3 && iss_j >= nbw) iss_phase = 4;
-  };
-  settle();
+  int iss_j = 0;
   uint32_t iss_dst = ring;
   auto issue = [&]() {
-    if (iss_phase == 2) {
-      const int* staged = block_cols(iss_j);
-      int c[kRows];
+    if (iss_j < nbw) {
+      const int col_l = iss_j < p.cached ? block_cols(iss_j)[lane] : pf_col;
 #pragma unroll
-      for (int k = 0; k < kRows; ++k) c[k] = staged[lane / LPR + kRowStep * k];
-      copy_tile(iss_dst, val_base, c);
+      for (int k = 0; k < kRows; ++k) {
+        const int c = __shfl_sync(0xffffffffu, col_l, lane / LPR + kRowStep * k);
+        const bool live = static_cast<uint32_t>(c) < n_cols;
+        const uint8_t* src = val_base + static_cast<uint64_t>(live ? static_cast<uint32_t>(c) : 0u) * RB;
+#pragma unroll
+        for (int u = 0; u < kChunks; ++u)
+          cp_async16(iss_dst + (row_dst[k] ^ (16 * LPR * u)), src + 16 * LPR * u, live ? 16 : 0);
+      }
       ++iss_j;
-    } else if (iss_phase == 3 && iss_val) {
-      copy_tile(iss_dst, val_base, cur_cols);
-      iss_val = false;
-      ++iss_j;
-    } else if (iss_phase < 4) {
-      issue_key(iss_dst, iss_j, iss_phase);
-      if (iss_phase == 3) iss_val = true;
-      else ++iss_j;
+      if (iss_j < nbw && iss_j >= p.cached) pf_col = warp_cols[iss_j * kBlockStride * kSlots];
     }
     cp_async_commit();
-    settle();
     iss_dst = iss_dst + C::kTileBytes == ring_end ? ring : iss_dst + C::kTileBytes;
   };
   uint32_t rd_tile = ring;
@@ -401,14 +345,39 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
 #pragma unroll
   for (int s = 0; s < C::kStages - 1; ++s) issue();
 
+  // ---- Key rows straight into registers (no shared-memory copy: pass 1 was bound by the L1 /
+  // shared-memory data pipe, which the copy and its reads crossed twice more than the gather).
+  // Lane (g, t) holds run t of the key rows of slots g, 8 + g, 16 + g, 24 + g (the B fragments
+  // of S = Q K^T), the key scale of slot `lane` and the mask of live slots.
+  struct Keys {
+    uint32_t raw[4][NW];
+    float sk;
+    uint32_t live;
+  };
+  auto load_keys = [&](int col_l, Keys& kr) {
+    const bool live = static_cast<uint32_t>(col_l) < n_cols;
+    kr.live = __ballot_sync(0xffffffffu, live);
+    kr.sk = 0.f;
+    if constexpr (!C::kFp16) {
+      if (live) kr.sk = *strided(sk_base, col_l, p.sk_step);
+    }
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const int c = __shfl_sync(0xffffffffu, col_l, 8 * n + g);
+      if (static_cast<uint32_t>(c) < n_cols) {
+        ldg_words<C::kLaneBytes>(kr.raw[n], key_base + static_cast<uint64_t>(static_cast<uint32_t>(c)) * RB);
+      } else {
+#pragma unroll
+        for (int i = 0; i < NW; ++i) kr.raw[n][i] = 0u;
+      }
+    }
+  };
+
   // ---- Scores of one block: h[n] holds the fp16 scores of row g at slots 8n + 2t, 8n + 2t + 1
   // (low, high half); bit 8n + e of `bits` says whether slot 8n + 2t + e is kept (the mask of
   // live slots shifted by 2t: one shift and one AND instead of gathering 8 bits).
-  const uint32_t key_off = pinned(C::tile_offset(g, t * C::kLaneBytes));
   auto kept_bits = [&](uint32_t live_mask) { return row_live ? (live_mask >> (2 * t)) & 0x03030303u : 0u; };
-  auto block_scores = [&](uint32_t tile, uint32_t (&h)[4], uint32_t& bits) {
-    uint32_t live_mask;
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(live_mask) : "r"(tile + C::kMetaOffset + kSlots * 4));
+  auto block_scores = [&](const Keys& kr, uint32_t (&h)[4], uint32_t& bits) {
     QkAcc<OP> acc[4];
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
@@ -417,10 +386,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
         acc[n].d[e] = 0;
         if constexpr (OP == kInt16) { acc[n].x[e] = 0; acc[n].ll[e] = 0; }
       }
-      uint32_t raw[NW];
-      lds_words<C::kLaneBytes>(raw, tile + 8 * n * C::kRowStride, key_off);
       Words kw;
-      kw.set(raw);
+      kw.set(kr.raw[n]);
 #pragma unroll
       for (int s = 0; s < Words::kWords / 2; ++s) {
         const uint32_t a[4] = {qw.hi[2 * s], 0u, qw.hi[2 * s + 1], 0u};
@@ -438,15 +405,14 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
         }
       }
     }
-    bits = kept_bits(live_mask);
+    bits = kept_bits(kr.live);
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
-      // The key scales of the lane's two slots 8n + 2t, 8n + 2t + 1 are adjacent in the meta.
+      // The key scales of the lane's two slots 8n + 2t, 8n + 2t + 1.
       float sk2[2] = {0.f, 0.f};
       if constexpr (!C::kFp16) {
-        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
-                     : "=f"(sk2[0]), "=f"(sk2[1])
-                     : "r"(tile + C::kMetaOffset + (8 * n + 2 * t) * 4));
+        sk2[0] = __shfl_sync(0xffffffffu, kr.sk, 8 * n + 2 * t);
+        sk2[1] = __shfl_sync(0xffffffffu, kr.sk, 8 * n + 2 * t + 1);
       }
       __half hv[2];
 #pragma unroll
@@ -491,7 +457,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     for (int n = 0; n < 4; ++n) c[32 * n] = h[n];
   };
   // A block's scores: from the cache (its kept slots from the staged columns), or recomputed
-  // from its key tile (the next in the stream).
+  // from its key rows (blocks past the cache: rows longer than the mean).
   auto scores_of = [&](int j, uint32_t (&h)[4], uint32_t& bits) {
     if (j < p.cached) {
       const uint32_t* c = cache + j * C::kCacheWords * 32 + lane;
@@ -499,13 +465,31 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       for (int n = 0; n < 4; ++n) h[n] = c[32 * n];
       bits = kept_bits(__ballot_sync(0xffffffffu, static_cast<uint32_t>(block_cols(j)[lane]) < n_cols));
     } else {
-      block_scores(next_tile(), h, bits);
+      Keys kr;
+      load_keys(col_of(j), kr);
+      block_scores(kr, h, bits);
     }
   };
+  // The key rows of block j + 1 are in flight while block j is multiplied, and the columns of
+  // block j + 2 while those are. Rows of more than 16 bytes a lane (wide keys: 16-bit or fp16 at
+  // d 64, any at d 128) load when used: two blocks of them in registers would spill.
+  constexpr bool kKeysAhead = C::kLaneBytes <= 16;
+  Keys cur;
+  int col_next = nbw > 1 ? col_of(1) : -1;
+  if (kKeysAhead && nbw > 0) load_keys(col_of(0), cur);
 #pragma unroll 1
   for (int j = 0; j < nbw; ++j) {
     uint32_t h[4], bits;
-    block_scores(next_tile(), h, bits);
+    if constexpr (kKeysAhead) {
+      Keys next;
+      if (j + 1 < nbw) load_keys(col_next, next);
+      if (j + 2 < nbw) col_next = col_of(j + 2);
+      block_scores(cur, h, bits);
+      cur = next;
+    } else {
+      load_keys(col_of(j), cur);
+      block_scores(cur, h, bits);
+    }
     if (j < p.cached) cache_store(j, h);
     block_max(h, bits);
   }
