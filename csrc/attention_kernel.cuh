@@ -95,10 +95,8 @@ struct Cfg {
   static constexpr int kLaneBytes = kKeyBytes / 4;  // a lane's run of one key row
   static constexpr int kLaneWords = kLaneBytes / 4;
   static constexpr int kRowStride = kKeyBytes > kValBytes ? kKeyBytes : kValBytes;
-  // Three tiles in flight for rows up to 64 bytes; two from 128 bytes, where a third would push a
-  // mean row's score cache past 3 CTAs per SM (fp16 at d = 64 then ran as split rows: 475 us
-  // against 409-430 with two stages, H200).
-  static constexpr int kStages = kRowStride >= 128 ? 2 : 3;
+  // Two value tiles: one in use, the next in flight.
+  static constexpr int kStages = 2;
   // Shared tile rows are unpadded, their 16-byte chunks XOR-swizzled so that 8 consecutive rows
   // of one chunk (an ldmatrix read) hit 8 distinct bank groups: rows of 64 bytes pair up in a
   // 128-byte line, so the 4 rows of each parity need distinct chunk masks (0, 2, 1, 3, which
@@ -127,9 +125,8 @@ struct Cfg {
   static constexpr int kShift = OP == kInt4 ? 4 : 0;
   static constexpr int kStageSmem = kWarps * kStages * kTileBytes;
   static constexpr int kReduceSmem = kWarps * 8 * DV * (kFp16 ? 4 : 8);
-  // Shared memory per cached block of a warp, for the 4 warps: their scores and their staged
-  // column indices.
-  static constexpr int kCachedBlockBytes = kCacheBlockBytes + kWarps * kSlots * 4;
+  // Shared memory per cached block of a warp, for the 4 warps: their scores and masks of live slots.
+  static constexpr int kCachedBlockBytes = kCacheBlockBytes + kWarps * 4;
   // Dynamic shared memory for a score cache of `cached` blocks per warp.
   static constexpr int smem_bytes(int cached) {
     return kStageSmem + cached * kCachedBlockBytes > kReduceSmem ? kStageSmem + cached * kCachedBlockBytes
@@ -259,23 +256,6 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     qw.set(raw);
   }
 
-  // The column indices of each warp's cached blocks, staged once in shared memory (whole rows:
-  // warp w's at w * cached blocks; split rows: the row's first 4 * cached blocks, interleaved as the
-  // warps take them). The copies of cached blocks and the kept slots of pass 2 come from here;
-  // blocks past the cache read their columns from global memory.
-  int* const cols = reinterpret_cast<int*>(smem + C::kStageSmem + p.cached * C::kCacheBlockBytes);
-  if constexpr (SPLIT) {
-    const int staged = min(nb, p.cached * kWarps) * kSlots;
-    for (int i = threadIdx.x; i < staged; i += kThreads) cols[i] = p.col_idx[start + i];
-    __syncthreads();
-  } else {
-    const int staged = min(nb, p.cached) * kSlots;
-    int* const own = cols + warp * p.cached * kSlots;
-    for (int i = lane; i < staged; i += 32) own[i] = p.col_idx[start + i];
-    __syncwarp();
-  }
-  auto block_cols = [&](int j) { return cols + (SPLIT ? warp + j * kWarps : warp * p.cached + j) * kSlots; };
-
   // ---- The warp's value tiles, blocks 0..nbw-1 in the order pass 2 consumes them, streamed
   // through a per-warp ring from the start of the kernel: the first kStages - 1 land while pass 1
   // runs.
@@ -305,19 +285,21 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   const uint32_t n_cols = static_cast<uint32_t>(p.n);
   const uint32_t ring = smem_addr(smem) + warp * C::kStages * C::kTileBytes;
   const uint32_t ring_end = ring + C::kStages * C::kTileBytes;
-  // Score cache, per lane and block: 4 half2 scores.
-  uint32_t* cache = reinterpret_cast<uint32_t*>(smem + C::kStageSmem) + warp * p.cached * C::kCacheWords * 32;
-  // The column of slot `lane` of block j: staged (cached blocks) or from global memory.
-  auto col_of = [&](int j) { return j < p.cached ? block_cols(j)[lane] : warp_cols[j * kBlockStride * kSlots]; };
+  // Score cache, per lane and block: 4 half2 scores; per block the mask of its live slots.
+  uint32_t* const cache = reinterpret_cast<uint32_t*>(smem + C::kStageSmem) + warp * p.cached * C::kCacheWords * 32;
+  uint32_t* const masks =
+      reinterpret_cast<uint32_t*>(smem + C::kStageSmem + p.cached * C::kCacheBlockBytes) + warp * p.cached;
+  // The column of slot `lane` of block j (a cached line of L1 after its first read).
+  auto col_of = [&](int j) { return warp_cols[j * kBlockStride * kSlots]; };
 
-  // Past the cache: the column of slot `lane` of the next value tile to issue, loaded one tile
-  // ahead so the gather addresses never wait on a dependent global load.
-  int pf_col = -1;
+  // The column of slot `lane` of the next value tile to issue, loaded one tile ahead so the
+  // gather addresses never wait on a dependent global load.
+  int pf_col = nbw > 0 ? col_of(0) : -1;
   int iss_j = 0;
   uint32_t iss_dst = ring;
   auto issue = [&]() {
     if (iss_j < nbw) {
-      const int col_l = iss_j < p.cached ? block_cols(iss_j)[lane] : pf_col;
+      const int col_l = pf_col;
 #pragma unroll
       for (int k = 0; k < kRows; ++k) {
         const int c = __shfl_sync(0xffffffffu, col_l, lane / LPR + kRowStep * k);
@@ -328,7 +310,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
           cp_async16(iss_dst + (row_dst[k] ^ (16 * LPR * u)), src + 16 * LPR * u, live ? 16 : 0);
       }
       ++iss_j;
-      if (iss_j < nbw && iss_j >= p.cached) pf_col = warp_cols[iss_j * kBlockStride * kSlots];
+      if (iss_j < nbw) pf_col = col_of(iss_j);
     }
     cp_async_commit();
     iss_dst = iss_dst + C::kTileBytes == ring_end ? ring : iss_dst + C::kTileBytes;
@@ -451,19 +433,20 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   };
 
   // ---- Pass 1: scores (cached in shared memory for the first `cached` blocks) and the row max.
-  auto cache_store = [&](int j, const uint32_t (&h)[4]) {
+  auto cache_store = [&](int j, const uint32_t (&h)[4], uint32_t live) {
     uint32_t* c = cache + j * C::kCacheWords * 32 + lane;
 #pragma unroll
     for (int n = 0; n < 4; ++n) c[32 * n] = h[n];
+    if (lane == 0) masks[j] = live;
   };
-  // A block's scores: from the cache (its kept slots from the staged columns), or recomputed
-  // from its key rows (blocks past the cache: rows longer than the mean).
+  // A block's scores: from the cache, or recomputed from its key rows (blocks past the cache:
+  // rows longer than the mean).
   auto scores_of = [&](int j, uint32_t (&h)[4], uint32_t& bits) {
     if (j < p.cached) {
       const uint32_t* c = cache + j * C::kCacheWords * 32 + lane;
 #pragma unroll
       for (int n = 0; n < 4; ++n) h[n] = c[32 * n];
-      bits = kept_bits(__ballot_sync(0xffffffffu, static_cast<uint32_t>(block_cols(j)[lane]) < n_cols));
+      bits = kept_bits(masks[j]);
     } else {
       Keys kr;
       load_keys(col_of(j), kr);
@@ -480,19 +463,19 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
 #pragma unroll 1
   for (int j = 0; j < nbw; ++j) {
     uint32_t h[4], bits;
+    Keys next;
     if constexpr (kKeysAhead) {
-      Keys next;
       if (j + 1 < nbw) load_keys(col_next, next);
       if (j + 2 < nbw) col_next = col_of(j + 2);
-      block_scores(cur, h, bits);
-      cur = next;
     } else {
       load_keys(col_of(j), cur);
-      block_scores(cur, h, bits);
     }
-    if (j < p.cached) cache_store(j, h);
+    block_scores(cur, h, bits);
+    if (j < p.cached) cache_store(j, h, cur.live);
     block_max(h, bits);
+    if constexpr (kKeysAhead) cur = next;
   }
+  __syncwarp();  // lane 0's block masks, for every lane of pass 2
   const float hm = fmaxf(half_lo(hmax), half_hi(hmax));
   float mx = hm > -INFINITY ? hm * fabsf(softmax_scale) : -INFINITY;  // no kept slot: -inf, also for s = 0
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
