@@ -336,12 +336,16 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     float sk;
     uint32_t live;
   };
+  // A key scale that is one number per batch x head (stride 0 along the keys, as the attention
+  // layer passes it) is read once: sq * sk is then one product per query row.
+  const bool sk_uniform = p.sk_step == 0;
+  const float sqk = !C::kFp16 && sk_uniform && p.n > 0 ? sq * *sk_base : 0.f;
   auto load_keys = [&](int col_l, Keys& kr) {
     const bool live = static_cast<uint32_t>(col_l) < n_cols;
     kr.live = __ballot_sync(0xffffffffu, live);
     kr.sk = 0.f;
     if constexpr (!C::kFp16) {
-      if (live) kr.sk = *strided(sk_base, col_l, p.sk_step);
+      if (live && !sk_uniform) kr.sk = *strided(sk_base, col_l, p.sk_step);
     }
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
@@ -390,24 +394,23 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     bits = kept_bits(kr.live);
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
-      // The key scales of the lane's two slots 8n + 2t, 8n + 2t + 1.
-      float sk2[2] = {0.f, 0.f};
-      if constexpr (!C::kFp16) {
-        sk2[0] = __shfl_sync(0xffffffffu, kr.sk, 8 * n + 2 * t);
-        sk2[1] = __shfl_sync(0xffffffffu, kr.sk, 8 * n + 2 * t + 1);
+      // sq times the key scales of the lane's two slots 8n + 2t, 8n + 2t + 1.
+      float f[2] = {sqk, sqk};
+      if (!C::kFp16 && !sk_uniform) {
+        f[0] = sq * __shfl_sync(0xffffffffu, kr.sk, 8 * n + 2 * t);
+        f[1] = sq * __shfl_sync(0xffffffffu, kr.sk, 8 * n + 2 * t + 1);
       }
       __half hv[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         if constexpr (C::kFp16) {
           hv[e] = __float2half_rn(acc[n].d[e]);
+        } else if constexpr (OP == kInt16) {
+          const int64_t q = static_cast<int64_t>(acc[n].d[e]) * 65536 + static_cast<int64_t>(acc[n].x[e]) * 256 +
+                            acc[n].ll[e];
+          hv[e] = __float2half_rn(__ll2float_rn(q) * f[e]);
         } else {
-          const float sk = sk2[e];
-          int64_t q = acc[n].d[e];
-          if constexpr (OP == kInt16) {
-            q = q * 65536 + static_cast<int64_t>(acc[n].x[e]) * 256 + acc[n].ll[e];
-          }
-          hv[e] = __float2half_rn(__ll2float_rn(q) * (sq * sk));
+          hv[e] = __float2half_rn(__int2float_rn(acc[n].d[e]) * f[e]);
         }
       }
       h[n] = pack_half2(hv[0], hv[1]);
@@ -434,18 +437,15 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
 
   // ---- Pass 1: scores (cached in shared memory for the first `cached` blocks) and the row max.
   auto cache_store = [&](int j, const uint32_t (&h)[4], uint32_t live) {
-    uint32_t* c = cache + j * C::kCacheWords * 32 + lane;
-#pragma unroll
-    for (int n = 0; n < 4; ++n) c[32 * n] = h[n];
+    reinterpret_cast<uint4*>(cache + j * C::kCacheWords * 32)[lane] = make_uint4(h[0], h[1], h[2], h[3]);
     if (lane == 0) masks[j] = live;
   };
   // A block's scores: from the cache, or recomputed from its key rows (blocks past the cache:
   // rows longer than the mean).
   auto scores_of = [&](int j, uint32_t (&h)[4], uint32_t& bits) {
     if (j < p.cached) {
-      const uint32_t* c = cache + j * C::kCacheWords * 32 + lane;
-#pragma unroll
-      for (int n = 0; n < 4; ++n) h[n] = c[32 * n];
+      const uint4 c = reinterpret_cast<const uint4*>(cache + j * C::kCacheWords * 32)[lane];
+      h[0] = c.x, h[1] = c.y, h[2] = c.z, h[3] = c.w;
       bits = kept_bits(masks[j]);
     } else {
       Keys kr;
@@ -454,9 +454,10 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     }
   };
   // The key rows of block j + 1 are in flight while block j is multiplied, and the columns of
-  // block j + 2 while those are. Rows of more than 16 bytes a lane (wide keys: 16-bit or fp16 at
-  // d 64, any at d 128) load when used: two blocks of them in registers would spill.
-  constexpr bool kKeysAhead = C::kLaneBytes <= 16;
+  // block j + 2 while those are. Wider runs load when used: two blocks of them in registers would
+  // spill or cost occupancy (16-bit keys of d 64 and any of d 128); fp16 at d 64, whose shared
+  // memory allows 3 CTAs per SM anyway, has the registers.
+  constexpr bool kKeysAhead = C::kLaneBytes <= 16 || (C::kFp16 && C::kLaneBytes <= 32);
   Keys cur;
   int col_next = nbw > 1 ? col_of(1) : -1;
   if (kKeysAhead && nbw > 0) load_keys(col_of(0), cur);
@@ -576,18 +577,19 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
 #pragma unroll
         for (int x = 0; x < 2; ++x) {
           sum += e[n][x];
-          q[n][x] = static_cast<uint32_t>(fminf(rintf(e[n][x] * kQmax), kQmax));
+          q[n][x] = __float2uint_rn(fminf(e[n][x] * kQmax, kQmax));
         }
       // B fragment: k = 4t + i <-> slots 2t, 2t+1, 8+2t, 9+2t (b0) and 16 + the same (b1).
       uint32_t pb[C::kPPlanes][2];
 #pragma unroll
       for (int pl = 0; pl < C::kPPlanes; ++pl) {
-        const int sh = (C::kPPlanes == 2 && pl == 0) ? 8 : 0;
+        // Byte 1 (the high plane of 16-bit probabilities) or byte 0 of each, 4 to a word.
+        const uint32_t pick = (C::kPPlanes == 2 && pl == 0) ? 0x0051u : 0x0040u;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int n0 = 2 * half, n1 = 2 * half + 1;
-          pb[pl][half] = ((q[n0][0] >> sh) & 0xFFu) | (((q[n0][1] >> sh) & 0xFFu) << 8) |
-                         (((q[n1][0] >> sh) & 0xFFu) << 16) | (((q[n1][1] >> sh) & 0xFFu) << 24);
+          pb[pl][half] = __byte_perm(__byte_perm(q[n0][0], q[n0][1], pick), __byte_perm(q[n1][0], q[n1][1], pick),
+                                     0x5410u);
         }
       }
       // Lane l addresses slot l's 16-byte chunk c of the tile.
