@@ -68,11 +68,13 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
   }
   const int max_smem = dynamic_limit[device];
   // Score cache: the blocks a warp gets from a row of mean length (every row, for the balanced
-  // masks of the paper). Longer rows recompute their last blocks' scores. Whole rows take 4 CTAs
-  // (16 warps) per SM where a mean row's cache fits, else 3; split rows as many as their cache
-  // allows. At L = 4096, sparsity 0.9, d = 64: 13 blocks per warp and 3 CTAs per SM (whole rows,
-  // 8-bit and fp16). Capping the cache at 12 blocks for a 4th CTA was slower on an H200 (247 us
-  // against 229 for 8b-8b): the recomputed blocks cost more than the extra warps gain.
+  // masks of the paper). Longer rows recompute their last blocks' scores. Whole rows take a cache
+  // that leaves room for 4 CTAs (16 warps) per SM where a mean row's fits, else 3; split rows as
+  // large as one CTA allows. The SM then runs as many CTAs as shared memory and registers admit:
+  // at L = 4096, sparsity 0.9, d = 64 a warp caches 13 blocks, and 8-bit inputs run 5 CTAs per SM
+  // (43 KB each), fp16 3. Capping the cache below a mean row for more CTAs was slower on an H200
+  // (247 us against 229 for 8b-8b, when 12 blocks gave a 4th CTA): the recomputed blocks cost
+  // more than the extra warps gain.
   const int64_t mean_blocks = (nnz_pad / 32 + vrows - 1) / vrows;
   int64_t cached = SPLIT ? (mean_blocks + kWarps - 1) / kWarps : mean_blocks;
   const int64_t static_smem = static_cast<int64_t>(prop->sharedMemPerBlockOptin) - max_smem;
