@@ -24,7 +24,8 @@ mask is shared by the whole batch, as the kernels require.
 A quantization-finetuned model records its precision (config.quant_precision) and how its
 Q/K/V scales are set (config.quant_scales: "absmax" per batch x head, or calibrated "fixed" /
 "learned" scales per head or per tensor, kept in each layer's `qkv_scale`); the integer ops
-then quantize with those scales instead of the per-batch absmax.
+then quantize with those scales instead of the per-batch absmax, in fp16 inside the Q/K/V
+projection itself (magicube.ops.qkv_projection).
 """
 from __future__ import annotations
 
@@ -131,11 +132,20 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, E = x.shape
-        qkv = self.qkv(x).view(B, T, 3, self.h, E // self.h).permute(2, 0, 3, 1, 4)  # [3, B, H, T, d], a view
-        q, k, v = qkv
         backend, impl = self.config.attention, self.config.sparse_impl
         p_drop = self.config.attention_dropout if self.training else 0.0
         needs_grad = torch.is_grad_enabled() and x.requires_grad
+        scales = self.scales()
+        if backend in QUANTIZED and impl != "masked" and not needs_grad and scales is not None \
+                and x.dtype == torch.float16:
+            # Fixed scales: Q, K and V are quantized in the projection's epilogue, never stored in fp16.
+            scales = fakequant.positive(scales.detach())
+            qkv = ops.qkv_projection(x, self.qkv.weight, self.qkv.bias, scales, heads=self.h,
+                                     bits=QUANTIZED[backend][1])
+            per_bh = scales.view(3, 1, -1).expand(3, B, self.h).reshape(3, B * self.h)
+            return self.drop(self.proj(self.integer_ops(qkv, per_bh, B).to(x.dtype)))
+        qkv = self.qkv(x).view(B, T, 3, self.h, E // self.h).permute(2, 0, 3, 1, 4)  # [3, B, H, T, d], a view
+        q, k, v = qkv
         if backend == "dense":
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p_drop)
         elif backend == "materialized":
@@ -181,24 +191,30 @@ class Attention(nn.Module):
         [B, T, H * d], the layout of the output projection: the fused op writes it directly, the
         three-op pipeline's [B * H, T, d] is transposed into it."""
         _, B, H, T, d = qkv.shape
+        if self.config.attention != "sparse":
+            return self.integer_ops(*self.quantize(qkv, QUANTIZED[self.config.attention][1]), B)
         pat = self.pattern(qkv.device)
-        if self.config.attention == "sparse":
-            q, k, v = (t.reshape(B * H, T, d).half() for t in qkv)
-            if self.config.fused:
-                return ops.sparse_attention(pat, q, k, v, softmax_scale=d ** -0.5, heads=H).view(B, T, H * d)
-            s = ops.sddmm(pat, q, k, bits=16)
-            p, _ = ops.sparse_softmax(pat, s, scale=d ** -0.5, out_bits=0)
-            y = ops.spmm(pat, p, v, a_bits=16, b_bits=16)
-        else:
-            p_bits, bits = QUANTIZED[self.config.attention]
-            (qq, kq, vq), (sq, sk, sv) = self.quantize(qkv, bits)
-            if self.config.fused:
-                return ops.sparse_attention(pat, qq, kq, vq, softmax_scale=d ** -0.5, qk_bits=bits, p_bits=p_bits,
-                                            scale_q=sq, scale_k=sk, scale_v=sv, heads=H).view(B, T, H * d)
-            s = ops.sddmm(pat, qq, kq, bits=bits, scale_a=sq, scale_b=sk)
-            p, row_scale = ops.sparse_softmax(pat, s, scale=d ** -0.5, out_bits=p_bits)
-            y = ops.spmm(pat, p, vq, a_bits=p_bits, a_signed=False, b_bits=bits, scale_a=row_scale, scale_b=sv)
+        q, k, v = (t.reshape(B * H, T, d).half() for t in qkv)
+        if self.config.fused:
+            return ops.sparse_attention(pat, q, k, v, softmax_scale=d ** -0.5, heads=H).view(B, T, H * d)
+        s = ops.sddmm(pat, q, k, bits=16)
+        p, _ = ops.sparse_softmax(pat, s, scale=d ** -0.5, out_bits=0)
+        y = ops.spmm(pat, p, v, a_bits=16, b_bits=16)
         return y.view(B, H, T, d).transpose(1, 2).reshape(B, T, H * d)
+
+    def integer_ops(self, qkv: torch.Tensor, scales: torch.Tensor, batch: int) -> torch.Tensor:
+        """sparse_ops on quantized Q, K, V: containers [3, B * H, T, d'] with fp32 scales [3, B * H]."""
+        T, H, d = qkv.shape[2], self.h, self.config.emb_dim // self.h
+        pat = self.pattern(qkv.device)
+        (qq, kq, vq), (sq, sk, sv) = qkv, scales
+        p_bits, bits = QUANTIZED[self.config.attention]
+        if self.config.fused:
+            return ops.sparse_attention(pat, qq, kq, vq, softmax_scale=d ** -0.5, qk_bits=bits, p_bits=p_bits,
+                                        scale_q=sq, scale_k=sk, scale_v=sv, heads=H).view(batch, T, H * d)
+        s = ops.sddmm(pat, qq, kq, bits=bits, scale_a=sq, scale_b=sk)
+        p, row_scale = ops.sparse_softmax(pat, s, scale=d ** -0.5, out_bits=p_bits)
+        y = ops.spmm(pat, p, vq, a_bits=p_bits, a_signed=False, b_bits=bits, scale_a=row_scale, scale_b=sv)
+        return y.view(batch, H, T, d).transpose(1, 2).reshape(batch, T, H * d)
 
     def quantize(self, qkv: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
         """quantize_qkv with the calibrated scales, or else the absmax."""

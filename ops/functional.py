@@ -135,3 +135,24 @@ def quantize_to_container(x: torch.Tensor, scale, bits: int, signed: bool = True
     if not (per_row and takes):
         return quant.quantize_to_container(x, s, bits, signed).contiguous()
     return _ops.quantize(x, (s[..., 0] if s.dim() else s).expand(x.shape[:-1]), bits, signed)
+
+
+def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale, *, heads: int,
+                   bits: int) -> torch.Tensor:
+    """Q, K and V of x [B, T, E] quantized as they are projected: the containers of `bits`
+    [3, B * heads, T, E / heads] (Q, K, V; row bh = b * heads + h; int4 packed) of
+    quantize(fp16(x @ weight^T + bias), scale), with fixed scales per Q/K/V and head ([3, heads])
+    or per Q/K/V ([3] or [3, 1]). The inputs of sparse_attention, sddmm and spmm as they are.
+
+    On CUDA the GEMM quantizes in its epilogue, so the fp16 projection never reaches memory. Its
+    accumulation order is not cuBLAS's: where fp16(x @ weight^T + bias) differs in its last bit,
+    a quantized value can differ by one.
+    """
+    s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    if s.dim() == 1:
+        s = s[:, None]
+    if s.dim() != 2 or s.shape[0] != 3 or s.shape[1] not in (1, heads):
+        raise ValueError(f"scale: expected [3], [3, 1] or [3, heads={heads}] scales (Q, K, V), got shape "
+                         f"{tuple(s.shape)}")
+    return _ops.qkv_projection(x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
+                               s.expand(3, heads).contiguous(), heads, bits)

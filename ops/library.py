@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import extension, reference
+from . import extension, qkv_projection, reference
 from .format import VECTOR_LENGTHS
 from .quant import check_bits, container_dtype
 
@@ -39,6 +39,11 @@ SCHEMAS = {
     "sparse_attention": "sparse_attention(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor query, "
                         "Tensor key, Tensor value, Tensor? scale_q, Tensor? scale_k, Tensor? scale_v, int v, "
                         "float softmax_scale, int qk_bits, int p_bits, int heads) -> Tensor",
+    # The Q/K/V projection quantized where it is computed: x [B, T, E] fp16, weight [3E, E],
+    # bias [3E] or None, scale [3, heads] (Q/K/V x head) -> the containers of `bits`,
+    # [3, B * heads, T, E / heads] (int4 packed): quantize(fp16(x @ weight^T + bias), scale).
+    "qkv_projection": "qkv_projection(Tensor x, Tensor weight, Tensor? bias, Tensor scale, int heads, int bits) "
+                      "-> Tensor",
 }
 
 for _name, _schema in SCHEMAS.items():
@@ -210,7 +215,26 @@ def check_quantize(x, scale, bits, is_signed):
     return (*x.shape[:-1], x.shape[-1] // 2 if bits == 4 else x.shape[-1])
 
 
-CHECKS = {"quantize": check_quantize, "spmm": check_spmm, "sddmm": check_sddmm, "sparse_softmax": check_sparse_softmax,
+def check_qkv_projection(x, weight, bias, scale, heads, bits):
+    """Returns the output shape."""
+    device = x.device if isinstance(x, torch.Tensor) else None
+    _check_tensor("x", x, torch.float16, 3, device=device)
+    e = x.shape[2]
+    _check_tensor("weight", weight, torch.float16, shape=(3 * e, e), device=device)
+    if bias is not None:
+        _check_tensor("bias", bias, torch.float16, shape=(3 * e,), device=device)
+    if heads < 1 or e % heads:
+        raise ValueError(f"heads: expected a positive divisor of the embedding E = {e} (x's last dim), got {heads!r}")
+    _check_tensor("scale", scale, torch.float32, shape=(3, heads), device=device)
+    if bits not in SDDMM_BITS:
+        raise ValueError(f"bits: expected one of {SDDMM_BITS} (the SDDMM's Q/K widths), got {bits!r}")
+    d = e // heads
+    if bits == 4 and d % 2:
+        raise ValueError(f"heads: 4-bit containers pack pairs along the head dim, which E / heads = {d} does not split")
+    return (3, x.shape[0] * heads, x.shape[1], d // 2 if bits == 4 else d)
+
+
+CHECKS = {"quantize": check_quantize, "qkv_projection": check_qkv_projection, "spmm": check_spmm, "sddmm": check_sddmm, "sparse_softmax": check_sparse_softmax,
           "sparse_attention": check_sparse_attention}
 
 # ---------------------------------------------------------------------------------------------
@@ -225,6 +249,8 @@ def _register(name):
 
     def cuda(*args):
         check(*args)
+        if name == "qkv_projection":
+            return _qkv_projection_cuda(*args)
         kernels = extension.ops_or_none(name)
         if kernels is None:
             return ref(*args)
@@ -232,6 +258,18 @@ def _register(name):
 
     torch.library.impl(f"{NAMESPACE}::{name}", "CPU")(cpu)
     torch.library.impl(f"{NAMESPACE}::{name}", "CUDA")(cuda)
+
+def _qkv_projection_cuda(x, weight, bias, scale, heads, bits):
+    """The Triton GEMM with the quantization in its epilogue; elsewhere (4 bits, no Triton) the
+    projection by cuBLAS and then the one-pass quantize kernel."""
+    if qkv_projection.available() and bits in qkv_projection.BITS:
+        out = x.new_empty(check_qkv_projection(x, weight, bias, scale, heads, bits), dtype=container_dtype(bits))
+        return qkv_projection.qkv_projection(x, weight, bias, scale, heads, bits, out)
+    from .functional import quantize_to_container  # (functional imports this module)
+
+    b, t, e = x.shape
+    y = torch.nn.functional.linear(x, weight, bias).view(b, t, 3, heads, e // heads).permute(2, 0, 3, 1, 4)
+    return quantize_to_container(y, scale.view(3, 1, heads, 1, 1), bits).view(3, b * heads, t, -1)
 
 for _name in SCHEMAS:
     _register(_name)
@@ -271,3 +309,8 @@ def _sparse_attention_fake(row_ptr, col_idx, row_order, query, key, value, scale
 @torch.library.register_fake(f"{NAMESPACE}::quantize")
 def _quantize_fake(x, scale, bits, is_signed):
     return x.new_empty(check_quantize(x, scale, bits, is_signed), dtype=container_dtype(bits, is_signed))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::qkv_projection")
+def _qkv_projection_fake(x, weight, bias, scale, heads, bits):
+    return x.new_empty(check_qkv_projection(x, weight, bias, scale, heads, bits), dtype=container_dtype(bits))

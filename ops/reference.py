@@ -123,3 +123,10 @@ def sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale_q, sc
 def quantize(x, scale, bits, is_signed):
     # elementwise ops keep a strided x's layout; the op's output is contiguous
     return quantize_to_container(x, scale[..., None], bits, is_signed).contiguous()
+
+
+def qkv_projection(x, weight, bias, scale, heads, bits):
+    b, t, e = x.shape
+    y = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float()).half()
+    y = y.view(b, t, 3, heads, e // heads).permute(2, 0, 3, 1, 4)  # [3, B, H, T, d]
+    return quantize_to_container(y, scale.view(3, 1, heads, 1, 1), bits).reshape(3, b * heads, t, -1)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import problem, random_ints
-from magicube.ops import sddmm, sparse_softmax, spmm, to_container
+from magicube.ops import qkv_projection, sddmm, sparse_softmax, spmm, to_container
 
 
 def _spmm_args(a_bits=8, b_bits=8, a_signed=True, bh=2, rows=3, k=37, n=10, v=4, device="cpu"):
@@ -206,3 +206,56 @@ def test_quantize_rejects_bad_inputs_with_messages():
             op(xi, si, 8, True)
     with pytest.raises(ValueError, match=r"bits: expected one of \(4, 8, 16\) for unsigned data, got 12"):
         op(x, s, 12, False)
+
+
+def _qkv_projection_args(bits, bias=True, b=2, t=5, e=24, heads=3, dtype=torch.float16):
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(b, t, e, generator=g).to(dtype)
+    w = (torch.randn(3 * e, e, generator=g) / e ** 0.5).to(dtype)
+    bias = (torch.randn(3 * e, generator=g) / 10).to(dtype) if bias else None
+    return x, w, bias, torch.rand(3, heads, generator=g) / 20 + 0.01, heads, bits
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_opcheck_qkv_projection(bits, bias):
+    torch.library.opcheck(torch.ops.magicube.qkv_projection.default, _qkv_projection_args(bits, bias))
+
+
+def test_qkv_projection_is_the_projection_then_quantize():
+    """Containers [3, B * H, T, d'] of Q, K, V: per (batch x head) the fp16 projection's slice quantized
+    with its Q/K/V x head scale."""
+    x, w, bias, scale, heads, _ = _qkv_projection_args(8)
+    got = qkv_projection(x, w, bias, scale, heads=heads, bits=8)
+    y = torch.nn.functional.linear(x.float(), w.float(), bias.float()).half()  # [B, T, 3E]
+    b, t, e = x.shape
+    d = e // heads
+    for which in range(3):
+        for bb in range(b):
+            for h in range(heads):
+                part = y[bb, :, which * e + h * d:which * e + (h + 1) * d]
+                want = torch.round(part.float() / scale[which, h]).clamp(-128, 127).to(torch.int8)
+                assert torch.equal(got[which, bb * heads + h], want)
+    # one scale per Q/K/V: the same as that scale repeated over the heads
+    assert torch.equal(qkv_projection(x, w, bias, scale[:, :1], heads=heads, bits=8),
+                       qkv_projection(x, w, bias, scale[:, :1].expand(3, heads), heads=heads, bits=8))
+
+
+def test_qkv_projection_rejects_bad_inputs_with_messages():
+    x, w, bias, scale, heads, bits = _qkv_projection_args(8)
+    cases = [
+        ((x.float(), w, bias, scale, heads, 8), r"x: expected dtype torch.float16"),
+        ((x, w[:-1], bias, scale, heads, 8), r"weight: expected shape \(72, 24\)"),
+        ((x, w, bias[:-1], scale, heads, 8), r"bias: expected shape \(72,\)"),
+        ((x, w, bias, scale, 5, 8), r"heads: expected a positive divisor of the embedding E = 24 .*got 5"),
+        ((x, w, bias, scale[:, :2], heads, 8), r"scale: expected shape \(3, 3\)"),
+        ((x, w, bias, scale, heads, 12), r"bits: expected one of \(8, 4, 16\)"),
+        ((x[..., :15].contiguous(), w[:45, :15].contiguous(), bias[:45], scale, heads, 4),
+         r"heads: 4-bit containers pack pairs along the head dim, which E / heads = 5 does not split"),
+        ((x[:, ::2], w, bias, scale, heads, 8), r"x: expected a contiguous tensor"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            torch.ops.magicube.qkv_projection(*args)
+    with pytest.raises(ValueError, match=r"scale: expected \[3\], \[3, 1\] or \[3, heads=3\] scales"):
+        qkv_projection(x, w, bias, scale[:2], heads=heads, bits=8)

@@ -162,6 +162,30 @@ def test_layer_output_is_the_transposed_three_op_result(backend, fused, dtype):
         assert torch.equal(attn(x), want)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("granularity", ["head", "tensor"])
+@pytest.mark.parametrize("backend", list(QUANTIZED))
+def test_calibrated_fp16_layer_quantizes_in_the_projection(backend, granularity, fused, monkeypatch):
+    """With fixed scales and fp16 activations, Q/K/V come quantized out of ops.qkv_projection (the
+    fp16 projection is never formed): the outputs of the per-(batch x head) copies of
+    fp16(x @ W^T + b) through the three ops, bit for bit."""
+    model = LRAClassifier(small_config(attention=backend, emb_dim=48, num_heads=3, fused=fused, quant_precision=backend,
+                                       quant_scales="fixed", quant_granularity=granularity)).eval().half()
+    attn = model.blocks[0].attn
+    attn.qkv_scale.copy_(torch.rand(attn.qkv_scale.shape, generator=torch.Generator().manual_seed(5)) / 20 + 0.01)
+    x = torch.randn(2, 64, 48, generator=torch.Generator().manual_seed(7)).half()
+    B, T, E = x.shape
+    calls = []
+    projection_op = ops.qkv_projection
+    monkeypatch.setattr(ops, "qkv_projection", lambda *a, **k: calls.append(k["bits"]) or projection_op(*a, **k))
+    with torch.no_grad():
+        y = torch.nn.functional.linear(x.float(), attn.qkv.weight.float(), attn.qkv.bias.float()).half()
+        q, k, v = y.view(B, T, 3, 3, E // 3).permute(2, 0, 3, 1, 4)
+        want = attn.proj(per_head_copies(attn, q, k, v).transpose(1, 2).reshape(B, T, E))
+        assert torch.equal(attn(x), want)
+    assert calls == [QUANTIZED[backend][1]]
+
+
 def test_the_layer_quantizes_through_the_one_pass_op(monkeypatch):
     """The projection's strided view goes to the quantize op as it is, not through PyTorch."""
     attn = LRAClassifier(small_config(attention="8b-8b")).eval().blocks[0].attn

@@ -1,0 +1,128 @@
+"""The Q/K/V projection that quantizes in its GEMM epilogue: against the reference (projection in
+fp32, rounded to fp16 once, then the ops' quantization).
+
+With integer-valued data every product and partial sum is exact in fp32, so any accumulation
+order gives the reference's fp16 projection and the containers must match bit for bit. With
+random data the order can move fp16(x @ W^T + b) by its last bit, which moves a quantized value
+by one at most, and rarely.
+"""
+
+import pytest
+import torch
+
+from conftest import poison_allocator
+from magicube import ops
+from magicube.ops import qkv_projection as triton_kernel
+from magicube.ops import quant
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# (B, T, E, heads): the target's head dim 64; rows and columns that fill no tile; one row; head dims of
+# 40 and 8 (vector stores of 8 bytes), 6 (2 bytes), 5 (odd: 8 and 16 bits only)
+SHAPES = [(2, 256, 256, 4), (3, 100, 96, 3), (1, 1, 128, 2), (2, 131, 320, 8), (1, 77, 48, 6), (2, 9, 30, 5)]
+
+
+def _reference(x, w, b, scale, heads, bits):
+    return torch.ops.magicube.qkv_projection(x.cpu(), w.cpu(), None if b is None else b.cpu(), scale.cpu(), heads,
+                                             bits)
+
+
+def _integer_problem(B, T, E, heads, g):
+    """Small integers in fp16: |x @ W^T + b| < 2^24, every step exact in fp32."""
+    x = torch.randint(-8, 9, (B, T, E), generator=g).half()
+    w = torch.randint(-8, 9, (3 * E, E), generator=g).half()
+    b = torch.randint(-64, 65, (3 * E,), generator=g).half()
+    return x, w, b
+
+
+@pytest.mark.parametrize("bits", [8, 16, 4])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_integer_data_is_bit_exact(shape, bits):
+    B, T, E, heads = shape
+    if bits == 4 and (E // heads) % 2:
+        pytest.skip("4-bit containers need an even head dim")
+    g = torch.Generator().manual_seed(sum(shape) + bits)
+    x, w, b = _integer_problem(B, T, E, heads, g)
+    # scales that make ties (2, 0.5, 4) and inexact quotients, one per Q/K/V x head
+    pool = torch.tensor([2.0, 0.5, 4.0, 0.3, 3.7, 1 / 3, 11.0, 0.07])
+    scale = pool[torch.randint(0, len(pool), (3, heads), generator=g)] * (2.0 ** (16 - bits) if bits < 16 else 1)
+    for bias in (b, None):
+        want = _reference(x, w, bias, scale, heads, bits)
+        poison_allocator(0x5A, torch.uint8)
+        got = ops.qkv_projection(x.cuda(), w.cuda(), None if bias is None else bias.cuda(), scale.cuda(), heads=heads,
+                                 bits=bits)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.cpu(), want)
+        assert (want != 0).any()  # the data reaches beyond zero
+
+
+@pytest.mark.parametrize("bits", [8, 16, 4])
+def test_random_data_within_one(bits):
+    """The model's magnitudes: the projection of unit activations by Xavier weights."""
+    g = torch.Generator().manual_seed(bits)
+    B, T, E, heads = 4, 1000, 256, 4
+    x = torch.randn(B, T, E, generator=g).half()
+    w = (torch.randn(3 * E, E, generator=g) * (2 / (4 * E)) ** 0.5).half()
+    b = (torch.randn(3 * E, generator=g) / 10).half()
+    y = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    qmax = (1 << (bits - 1)) - 1
+    scale = y.view(B * T, 3, heads, -1).abs().amax(dim=(0, 3)) / qmax  # absmax: the whole range in use
+    got = quant.from_container(ops.qkv_projection(x.cuda(), w.cuda(), b.cuda(), scale.cuda(), heads=heads,
+                                                  bits=bits).cpu(), bits)
+    want = quant.from_container(_reference(x, w, b, scale, heads, bits), bits)
+    diff = (got - want).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+    assert want.abs().max() >= qmax - 1
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_overflow_nan_and_scales_off_the_fast_path(bits):
+    """fp16 overflow (inf saturates), inf times a zero weight (NaN gives 0), and scales outside
+    [2^-60, 2^60] or zero, which take the full division: all as the reference."""
+    g = torch.Generator().manual_seed(3)
+    B, T, E, heads = 2, 70, 64, 2
+    x, w, b = _integer_problem(B, T, E, heads, g)
+    x[0, :5] *= 1000  # |y| up to ~10^6: past fp16's 65504
+    x[1, 3, 7] = float("inf")
+    x[1, 4, 9] = float("nan")
+    w[:, 7] = torch.where(torch.arange(3 * E) % 3 == 0, 0.0, w[:, 7].float()).half()  # inf * 0: NaN
+    for s in (1e-30, 1e30, 0.0, 2.0 ** -60, 2.0 ** 60, 300.0):
+        scale = torch.full((3, heads), s)
+        scale[1, 1] = 0.37
+        want = _reference(x, w, b, scale, heads, bits)
+        got = ops.qkv_projection(x.cuda(), w.cuda(), b.cuda(), scale.cuda(), heads=heads, bits=bits)
+        assert torch.equal(got.cpu(), want), s
+
+
+def test_the_triton_kernel_serves_8_and_16_bits(monkeypatch):
+    """The CUDA op runs the fused kernel for 8 and 16 bits, cuBLAS and the quantize pass for 4."""
+    if not triton_kernel.available():
+        pytest.skip("no Triton")
+    calls = []
+    launch = triton_kernel.qkv_projection
+    monkeypatch.setattr(triton_kernel, "qkv_projection", lambda *a: calls.append(a[5]) or launch(*a))
+    x, w, b = (t.cuda() for t in _integer_problem(1, 16, 32, 2, torch.Generator().manual_seed(0)))
+    for bits in (8, 16, 4):
+        ops.qkv_projection(x, w, b, torch.ones(3, 2, device="cuda"), heads=2, bits=bits)
+    assert calls == [8, 16]
+
+
+def test_opcheck_on_cuda():
+    x, w, b = (t.cuda() for t in _integer_problem(2, 33, 48, 3, torch.Generator().manual_seed(1)))
+    torch.library.opcheck(torch.ops.magicube.qkv_projection.default, (x, w, b, torch.rand(3, 3, device="cuda"), 3, 8))
+
+
+def test_graph_capture_and_stream():
+    """Launched on the current stream, and replayable from a CUDA graph."""
+    x, w, b = (t.cuda() for t in _integer_problem(2, 64, 64, 2, torch.Generator().manual_seed(2)))
+    scale = torch.rand(3, 2, device="cuda") + 0.5
+    want = ops.qkv_projection(x, w, b, scale, heads=2, bits=8)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = ops.qkv_projection(x, w, b, scale, heads=2, bits=8)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
