@@ -146,7 +146,7 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
     On CUDA the GEMM quantizes in its epilogue, so the fp16 projection never reaches memory. Its
     accumulation order is not cuBLAS's: where fp16(x @ weight^T + bias) differs in its last bit,
-    a quantized value can differ by one.
+    a quantized value is that of the neighbouring fp16 value (one step at 8 bits, up to 32 at 16).
     """
     s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     if s.dim() == 1:
