@@ -121,6 +121,9 @@ def run_case(backend, batch, length, heads, sparsity, v, args, device, dtype) ->
         # Every backend alike: inductor fuses the LayerNorms, GELU and residual adds around the
         # attention, whose ops stay opaque to it. The errors below are those of the compiled code.
         # Static shapes: the bit widths stay Python constants (a recompile must not make them symbolic).
+        # A fresh cache per case: the code compiled for one backend guards on its config, and dynamo
+        # stops compiling a function after a few recompiles (later backends would run eagerly).
+        torch._dynamo.reset()
         model, layer = torch.compile(model, dynamic=False), torch.compile(layer, dynamic=False)
     row = dict(backend=backend, batch=batch, length=length, heads=heads, sparsity=sparsity, v=v)
     row["model_rel_err"] = relative_error(model(ids).logits, ref(ids).logits)
