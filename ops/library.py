@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import extension, qkv_projection, reference
+from . import extension, qkv_gemm, reference
 from .format import VECTOR_LENGTHS
 from .quant import check_bits, container_dtype
 
@@ -262,9 +262,9 @@ def _register(name):
 def _qkv_projection_cuda(x, weight, bias, scale, heads, bits):
     """The Triton GEMM with the quantization in its epilogue; elsewhere (4 bits, no Triton) the
     projection by cuBLAS and then the one-pass quantize kernel."""
-    if qkv_projection.available() and bits in qkv_projection.BITS:
+    if qkv_gemm.available() and bits in qkv_gemm.BITS:
         out = x.new_empty(check_qkv_projection(x, weight, bias, scale, heads, bits), dtype=container_dtype(bits))
-        return qkv_projection.qkv_projection(x, weight, bias, scale, heads, bits, out)
+        return qkv_gemm.qkv_projection(x, weight, bias, scale, heads, bits, out)
     from .functional import quantize_to_container  # (functional imports this module)
 
     b, t, e = x.shape

@@ -11,7 +11,7 @@ import torch
 
 from conftest import poison_allocator
 from magicube import ops
-from magicube.ops import qkv_projection as triton_kernel
+from magicube.ops import qkv_gemm
 from magicube.ops import quant
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -56,30 +56,35 @@ def test_integer_data_is_bit_exact(shape, bits):
 
 
 @pytest.mark.parametrize("bits", [8, 16, 4])
-def test_random_data_is_the_quantized_projection_or_its_fp16_neighbour(bits):
-    """The model's magnitudes (unit activations, Xavier weights), scales that use the whole range:
-    each value is the reference's, or the quantization of the fp16 value next to the reference's
-    projection (one step at 8 bits, up to 32 at 16), and that rarely."""
+def test_random_data_within_the_error_bound_of_fp32_accumulation(bits):
+    """The model's magnitudes (unit activations, Xavier weights), scales that use the whole range.
+    Any fp32 accumulation of x @ W^T + b (the reference's, cuBLAS's, the tensor cores') lies within
+    E * 2^-23 * sum |terms| of the exact value, and its fp16 rounding within 2^-11 of that: each
+    quantized value must lie between the quantizations of the interval's ends. Differences from
+    the reference are rare, and at 8 bits one step at most."""
     g = torch.Generator().manual_seed(bits)
     B, T, E, heads = 4, 1000, 256, 4
     x = torch.randn(B, T, E, generator=g).half()
     w = (torch.randn(3 * E, E, generator=g) * (2 / (4 * E)) ** 0.5).half()
     b = (torch.randn(3 * E, generator=g) / 10).half()
-    y = torch.nn.functional.linear(x.float(), w.float(), b.float()).half()
+    exact = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    bound = torch.nn.functional.linear(x.double().abs(), w.double().abs(), b.double().abs()) * E * 2.0 ** -23
+    bound = bound + (exact.abs() + bound) * 2.0 ** -11
     qmax = (1 << (bits - 1)) - 1
-    scale = y.view(B * T, 3, heads, -1).float().abs().amax(dim=(0, 3)) / qmax
+    scale = exact.view(B * T, 3, heads, -1).abs().amax(dim=(0, 3)).float() / qmax
     got = quant.from_container(ops.qkv_projection(x.cuda(), w.cuda(), b.cuda(), scale.cuda(), heads=heads,
                                                   bits=bits).cpu(), bits)
 
-    def quantized(y16):  # [B, T, 3E] -> the containers' order, as integers
-        view = y16.view(B, T, 3, heads, -1).permute(2, 0, 3, 1, 4)
-        return quant.quantize(view, scale.view(3, 1, heads, 1, 1), bits).reshape(got.shape)
+    def quantized(y):  # [B, T, 3E] -> the containers' order, as integers
+        view = y.view(B, T, 3, heads, -1).permute(2, 0, 3, 1, 4)
+        return quant.quantize(view, scale.view(3, 1, heads, 1, 1).double(), bits).reshape(got.shape)
 
-    want = quantized(y)
-    up, down = (quantized(torch.nextafter(y, torch.full_like(y, end))) for end in (float("inf"), float("-inf")))
-    assert ((got == want) | (got == up) | (got == down)).all()
+    assert ((quantized(exact - bound) <= got) & (got <= quantized(exact + bound))).all()
+    want = quant.from_container(_reference(x, w, b, scale, heads, bits), bits)
     assert (got != want).float().mean() < 1e-3
-    assert want.abs().max() == qmax
+    if bits == 8:
+        assert (got - want).abs().max() <= 1
+    assert want.abs().max() >= qmax - 1
 
 
 @pytest.mark.parametrize("bits", [8, 16])
@@ -103,11 +108,11 @@ def test_overflow_nan_and_scales_off_the_fast_path(bits):
 
 def test_the_triton_kernel_serves_8_and_16_bits(monkeypatch):
     """The CUDA op runs the fused kernel for 8 and 16 bits, cuBLAS and the quantize pass for 4."""
-    if not triton_kernel.available():
+    if not qkv_gemm.available():
         pytest.skip("no Triton")
     calls = []
-    launch = triton_kernel.qkv_projection
-    monkeypatch.setattr(triton_kernel, "qkv_projection", lambda *a: calls.append(a[5]) or launch(*a))
+    launch = qkv_gemm.qkv_projection
+    monkeypatch.setattr(qkv_gemm, "qkv_projection", lambda *a: calls.append(a[5]) or launch(*a))
     x, w, b = (t.cuda() for t in _integer_problem(1, 16, 32, 2, torch.Generator().manual_seed(0)))
     for bits in (8, 16, 4):
         ops.qkv_projection(x, w, b, torch.ones(3, 2, device="cuda"), heads=2, bits=bits)

@@ -9,8 +9,8 @@ the GEMM writes the containers alone (a third of the bytes at 8 bits).
 
 Semantics (the reference in `reference.qkv_projection`): y = fp16(x @ W^T + b) with fp32
 accumulation, then the ops' quantization of y with one scale per (Q/K/V, head). Accumulation
-order differs from any other GEMM's, so y can differ from cuBLAS's in its last bit, and a
-quantized value then is that of the neighbouring fp16 value (one step at 8 bits, up to 32 at 16).
+order differs from any other GEMM's, so y can differ from cuBLAS's in its last bits (within the
+error bound of fp32 sums), and a quantized value then by a step at 8 bits, a few at 16.
 """
 
 from __future__ import annotations
