@@ -28,21 +28,21 @@ except ImportError:  # a CPU-only torch (or a Triton without tensor descriptors)
     triton = None
 
 
-def supports(embedding: int, bits: int) -> bool:
-    """Whether the kernel takes this problem: Triton here, 8- or 16-bit containers, and rows of x
-    and W on 16 bytes (the tensor-memory accelerator's loads)."""
-    return triton is not None and bits in BITS and embedding % 8 == 0
+def supports(embedding: int) -> bool:
+    """Whether the kernel takes this problem: Triton here, and rows of x and W on 16 bytes (the
+    tensor-memory accelerator's loads)."""
+    return triton is not None and embedding % 8 == 0
 
 
 # Tiles of 128 x 128 (two heads of d 64) over the reduction in 64-wide steps, loaded by TMA; two
 # CTAs an SM loop over the tiles, with the loop nest flattened and warp-specialized (loads in
 # producer warps), so that one tile's epilogue overlaps the next tile's loads. The tiles of one
 # row block come together: x is read from memory once and from L2 after. H200, B 8, T 4096,
-# E 256, int8: 41.9 us, against 60.0 for cuBLAS (30.9) and the quantize pass; pointer loads
-# 48.3, one CTA a tile 53 (H100), 128 x 256 tiles 43.9, x kept for all of a row's tiles 65.
+# E 256, int8: 41.9 us, against 60.0 for cuBLAS (30.9) and the quantize pass (int4: 45.8 against
+# 61.8); pointer loads 48.3, one CTA a tile 53 (H100), 128 x 256 tiles 43.9, x kept for all of
+# a row's tiles 65.
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
 NUM_WARPS, NUM_STAGES, CTAS_PER_SM = 4, 3, 2
-BITS = (8, 16)  # 4-bit containers pack pairs of columns, which cost this kernel more than it saves
 
 if triton is not None:
 
@@ -70,9 +70,10 @@ if triton is not None:
                              HAS_BIAS: tl.constexpr, WIDE: tl.constexpr, VEC: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         n_tiles: tl.constexpr = (3 * E + BLOCK_N - 1) // BLOCK_N
-        # container [3, B, H, T, D]: row m = (b, t), column n = (Q/K/V, h, dd)
+        # container [3, B, H, T, Dc]: row m = (b, t), column n = (Q/K/V, h, dd); Dc = D / 2 at 4 bits
+        Dc: tl.constexpr = D // 2 if BITS == 4 else D
         batch = (M // T).to(tl.int64) if WIDE else M // T
-        plane = batch * H * T * D  # one of Q, K, V
+        plane = batch * H * T * Dc  # one of Q, K, V
         for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * n_tiles, tl.num_programs(0), flatten=True,
                              warp_specialize=True):
             pid_m, pid_n = tile // n_tiles, tile % n_tiles
@@ -84,21 +85,28 @@ if triton is not None:
             if HAS_BIAS:
                 acc += tl.load(b_ptr + rn, mask=rn < 3 * E, other=0.0).to(tl.float32)[None, :]
             y = acc.to(tl.float16).to(tl.float32)  # the fp16 projection output, rounded once
-            q = _quantize(y, rn, s_ptr, E, H, D, BITS).to(out_ptr.dtype.element_ty)
+            q = _quantize(y, rn, s_ptr, E, H, D, BITS)
+            if BITS == 4:
+                lo, hi = tl.split(tl.reshape(q, (BLOCK_M, BLOCK_N // 2, 2)))
+                q = ((lo & 0xF) | ((hi & 0xF) << 4)).to(tl.uint8)  # element 2t in the low nibble
+                rn = pid_n * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)  # each byte's first column
+            else:
+                q = q.to(out_ptr.dtype.element_ty)
+            rc = pid_n * (BLOCK_N * Dc // D) + tl.arange(0, BLOCK_N * Dc // D)  # the container's columns
             rows = rm.to(tl.int64) if WIDE else rm
             cols = rn.to(tl.int64) if WIDE else rn
-            row_off = (rows // T) * (H * T * D) + (rows % T) * D
-            col_off = (cols // E) * plane + ((cols % E) // D) * (T * D) + cols % D
-            # Runs of VEC elements (a divisor of D) lie in one head's row: vector stores, not bytes.
+            row_off = (rows // T) * (H * T * Dc) + (rows % T) * Dc
+            col_off = (cols // E) * plane + ((cols % E) // D) * (T * Dc) + (cols % D) * Dc // D
+            # Runs of VEC elements (a divisor of Dc) lie in one head's row: vector stores, not bytes.
             row_off = tl.multiple_of(row_off, VEC)
             col_off = tl.max_contiguous(tl.multiple_of(col_off, VEC), VEC)
-            tl.store(out_ptr + row_off[:, None] + col_off[None, :], q, mask=(rm < M)[:, None] & (rn < 3 * E)[None, :])
-
+            tl.store(out_ptr + row_off[:, None] + col_off[None, :], q, mask=(rm < M)[:, None] & (rc < 3 * H * Dc)[None, :])
 
 def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
                    heads: int, bits: int, out: torch.Tensor) -> torch.Tensor:
     """Launch on validated arguments that `supports`: x [B, T, E] fp16, weight [3E, E], bias [3E]
-    or None, scale [3, heads] fp32, all contiguous; out the [3, B * heads, T, E / heads] container."""
+    or None, scale [3, heads] fp32, all contiguous; out the [3, B * heads, T, E / heads] container
+    (E / (2 heads) bytes at 4 bits)."""
     B, T, E = x.shape
     M = B * T
     if M == 0:

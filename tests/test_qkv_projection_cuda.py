@@ -106,10 +106,10 @@ def test_overflow_nan_and_scales_off_the_fast_path(bits):
         assert torch.equal(got.cpu(), want), s
 
 
-def test_the_triton_kernel_serves_8_and_16_bits(monkeypatch):
-    """The CUDA op runs the fused kernel for 8 and 16 bits with rows of x and W on 16 bytes, cuBLAS
-    and the quantize pass otherwise."""
-    if not qkv_gemm.supports(32, 8):
+def test_the_triton_kernel_serves_rows_on_16_bytes(monkeypatch):
+    """The CUDA op runs the fused kernel where rows of x and W start on 16 bytes, cuBLAS and the
+    quantize pass otherwise."""
+    if not qkv_gemm.supports(32):
         pytest.skip("no Triton with tensor descriptors")
     calls = []
     launch = qkv_gemm.qkv_projection
@@ -118,7 +118,7 @@ def test_the_triton_kernel_serves_8_and_16_bits(monkeypatch):
         x, w, b = (t.cuda() for t in _integer_problem(1, 16, e, 2, torch.Generator().manual_seed(0)))
         for bits in (8, 16, 4):
             ops.qkv_projection(x, w, b, torch.ones(3, 2, device="cuda"), heads=2, bits=bits)
-    assert calls == [(32, 8), (32, 16)]
+    assert calls == [(32, 8), (32, 16), (32, 4)]
 
 
 def test_opcheck_on_cuda():
