@@ -262,7 +262,7 @@ def _register(name):
 def _qkv_projection_cuda(x, weight, bias, scale, heads, bits):
     """The Triton GEMM with the quantization in its epilogue; elsewhere (no Triton, rows off 16
     bytes) the projection by cuBLAS and then the one-pass quantize kernel."""
-    if qkv_gemm.supports(x.shape[2]):
+    if qkv_gemm.supports(x, weight):
         out = x.new_empty(check_qkv_projection(x, weight, bias, scale, heads, bits), dtype=container_dtype(bits))
         return qkv_gemm.qkv_projection(x, weight, bias, scale, heads, bits, out)
     from .functional import quantize_to_container  # (functional imports this module)

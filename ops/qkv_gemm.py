@@ -28,10 +28,10 @@ except ImportError:  # a CPU-only torch (or a Triton without tensor descriptors)
     triton = None
 
 
-def supports(embedding: int) -> bool:
-    """Whether the kernel takes this problem: Triton here, and rows of x and W on 16 bytes (the
-    tensor-memory accelerator's loads)."""
-    return triton is not None and embedding % 8 == 0
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes these operands: Triton here, and every row of x and W on 16 bytes
+    (the tensor-memory accelerator's loads)."""
+    return triton is not None and x.shape[-1] % 8 == 0 and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
 
 
 # Tiles of 128 x 128 (two heads of d 64) over the reduction in 64-wide steps, loaded by TMA; two

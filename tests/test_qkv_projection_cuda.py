@@ -17,8 +17,10 @@ from magicube.ops import quant
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 # (B, T, E, heads): the target's head dim 64; rows and columns that fill no tile; one row; head dims of
-# 40 and 8 (vector stores of 8 bytes), 6 (E 30: rows off 16 bytes, the fallback), 5 (odd: 8 and 16 bits only)
-SHAPES = [(2, 256, 256, 4), (3, 100, 96, 3), (1, 1, 128, 2), (2, 131, 320, 8), (1, 77, 48, 6), (2, 9, 30, 5)]
+# 40 and 8 (vector stores of 8 bytes), 6 (E 30: rows off 16 bytes, the fallback), 5 (odd: 8 and 16 bits only;
+# byte stores)
+SHAPES = [(2, 256, 256, 4), (3, 100, 96, 3), (1, 1, 128, 2), (2, 131, 320, 8), (1, 77, 48, 6), (2, 9, 30, 5),
+          (1, 20, 40, 8)]
 
 
 def _reference(x, w, b, scale, heads, bits):
@@ -108,17 +110,23 @@ def test_overflow_nan_and_scales_off_the_fast_path(bits):
 
 def test_the_triton_kernel_serves_rows_on_16_bytes(monkeypatch):
     """The CUDA op runs the fused kernel where rows of x and W start on 16 bytes, cuBLAS and the
-    quantize pass otherwise."""
-    if not qkv_gemm.supports(32):
+    quantize pass otherwise (E = 36; x two bytes past an aligned address), with the same result."""
+    if not qkv_gemm.supports(torch.empty(1, 8, device="cuda"), torch.empty(1, 8, device="cuda")):
         pytest.skip("no Triton with tensor descriptors")
     calls = []
     launch = qkv_gemm.qkv_projection
     monkeypatch.setattr(qkv_gemm, "qkv_projection", lambda *a: calls.append((a[0].shape[2], a[5])) or launch(*a))
+    scale = torch.rand(3, 2, device="cuda") + 0.5
     for e in (32, 36):
         x, w, b = (t.cuda() for t in _integer_problem(1, 16, e, 2, torch.Generator().manual_seed(0)))
         for bits in (8, 16, 4):
-            ops.qkv_projection(x, w, b, torch.ones(3, 2, device="cuda"), heads=2, bits=bits)
+            ops.qkv_projection(x, w, b, scale, heads=2, bits=bits)
     assert calls == [(32, 8), (32, 16), (32, 4)]
+    x, w, b = (t.cuda() for t in _integer_problem(1, 16, 32, 2, torch.Generator().manual_seed(1)))
+    shifted = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].view_as(x).copy_(x)
+    assert torch.equal(ops.qkv_projection(shifted, w, b, scale, heads=2, bits=8),
+                       ops.qkv_projection(x, w, b, scale, heads=2, bits=8))
+    assert len(calls) == 4  # the aligned x only
 
 
 def test_opcheck_on_cuda():
