@@ -14,7 +14,8 @@ from .quant import (absmax_scale, combine_planes, container_dtype, dequantize, f
 
 __all__ = [
     "INT4_SHUFFLE", "SRBCRS", "VectorMask", "random_vector_mask", "vector_mask_from_dense",
-    "spmm", "sddmm", "sparse_softmax", "sparse_attention", "qkv_projection", "expand_scale", "SPMM_PAIRS", "SDDMM_BITS", "SOFTMAX_BITS",
+    "spmm", "sddmm", "sparse_softmax", "sparse_attention", "qkv_projection", "expand_scale",
+    "SPMM_PAIRS", "SDDMM_BITS", "SOFTMAX_BITS",
     "absmax_scale", "combine_planes", "container_dtype", "dequantize", "from_container", "pack_int4",
     "qrange", "quantize", "quantize_to_container", "scale_of_absmax", "split_planes", "to_container", "unpack_int4",
 ]

@@ -234,8 +234,8 @@ def check_qkv_projection(x, weight, bias, scale, heads, bits):
     return (3, x.shape[0] * heads, x.shape[1], d // 2 if bits == 4 else d)
 
 
-CHECKS = {"quantize": check_quantize, "qkv_projection": check_qkv_projection, "spmm": check_spmm, "sddmm": check_sddmm, "sparse_softmax": check_sparse_softmax,
-          "sparse_attention": check_sparse_attention}
+CHECKS = {"quantize": check_quantize, "qkv_projection": check_qkv_projection, "spmm": check_spmm, "sddmm": check_sddmm,
+          "sparse_softmax": check_sparse_softmax, "sparse_attention": check_sparse_attention}
 
 # ---------------------------------------------------------------------------------------------
 # Implementations.
@@ -248,9 +248,9 @@ def _register(name):
         return ref(*args)
 
     def cuda(*args):
-        check(*args)
-        if name == "qkv_projection":
+        if name == "qkv_projection":  # a Triton kernel, not one of csrc/
             return _qkv_projection_cuda(*args)
+        check(*args)
         kernels = extension.ops_or_none(name)
         if kernels is None:
             return ref(*args)
@@ -262,8 +262,9 @@ def _register(name):
 def _qkv_projection_cuda(x, weight, bias, scale, heads, bits):
     """The Triton GEMM with the quantization in its epilogue; elsewhere (no Triton, rows off 16
     bytes) the projection by cuBLAS and then the one-pass quantize kernel."""
+    shape = check_qkv_projection(x, weight, bias, scale, heads, bits)
     if qkv_gemm.supports(x, weight):
-        out = x.new_empty(check_qkv_projection(x, weight, bias, scale, heads, bits), dtype=container_dtype(bits))
+        out = x.new_empty(shape, dtype=container_dtype(bits))
         return qkv_gemm.qkv_projection(x, weight, bias, scale, heads, bits, out)
     from .functional import quantize_to_container  # (functional imports this module)
 

@@ -100,7 +100,9 @@ if triton is not None:
             # Runs of VEC elements (a divisor of Dc) lie in one head's row: vector stores, not bytes.
             row_off = tl.multiple_of(row_off, VEC)
             col_off = tl.max_contiguous(tl.multiple_of(col_off, VEC), VEC)
-            tl.store(out_ptr + row_off[:, None] + col_off[None, :], q, mask=(rm < M)[:, None] & (rc < 3 * H * Dc)[None, :])
+            mask = (rm < M)[:, None] & (rc < 3 * H * Dc)[None, :]
+            tl.store(out_ptr + row_off[:, None] + col_off[None, :], q, mask=mask)
+
 
 def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
                    heads: int, bits: int, out: torch.Tensor) -> torch.Tensor:
