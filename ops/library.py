@@ -240,25 +240,6 @@ CHECKS = {"quantize": check_quantize, "qkv_projection": check_qkv_projection, "s
 # ---------------------------------------------------------------------------------------------
 # Implementations.
 
-def _register(name):
-    check, ref = CHECKS[name], getattr(reference, name)
-
-    def cpu(*args):
-        check(*args)
-        return ref(*args)
-
-    def cuda(*args):
-        if name == "qkv_projection":  # a Triton kernel, not one of csrc/
-            return _qkv_projection_cuda(*args)
-        check(*args)
-        kernels = extension.ops_or_none(name)
-        if kernels is None:
-            return ref(*args)
-        return getattr(kernels, name)(*args)
-
-    torch.library.impl(f"{NAMESPACE}::{name}", "CPU")(cpu)
-    torch.library.impl(f"{NAMESPACE}::{name}", "CUDA")(cuda)
-
 def _qkv_projection_cuda(x, weight, bias, scale, heads, bits):
     """The Triton GEMM with the quantization in its epilogue; elsewhere (no Triton, rows off 16
     bytes) the projection by cuBLAS and then the one-pass quantize kernel."""
@@ -271,6 +252,28 @@ def _qkv_projection_cuda(x, weight, bias, scale, heads, bits):
     b, t, e = x.shape
     y = torch.nn.functional.linear(x, weight, bias).view(b, t, 3, heads, e // heads).permute(2, 0, 3, 1, 4)
     return quantize_to_container(y, scale.view(3, 1, heads, 1, 1), bits).view(3, b * heads, t, -1)
+
+
+# CUDA implementations that are not a kernel of csrc/
+CUDA_IMPLS = {"qkv_projection": _qkv_projection_cuda}
+
+
+def _register(name):
+    check, ref = CHECKS[name], getattr(reference, name)
+
+    def cpu(*args):
+        check(*args)
+        return ref(*args)
+
+    def cuda(*args):
+        check(*args)
+        kernels = extension.ops_or_none(name)
+        if kernels is None:
+            return ref(*args)
+        return getattr(kernels, name)(*args)
+
+    torch.library.impl(f"{NAMESPACE}::{name}", "CPU")(cpu)
+    torch.library.impl(f"{NAMESPACE}::{name}", "CUDA")(CUDA_IMPLS.get(name, cuda))
 
 for _name in SCHEMAS:
     _register(_name)
