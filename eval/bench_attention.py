@@ -23,7 +23,6 @@ time per method.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from magicube.eval.timing import cuda_time, device_slug, environment, save_json
+from magicube.eval.timing import cuda_time, device_slug, environment, kernel_bench_args, save_json
 from magicube.model.lra import quantize_qkv
 from magicube.ops import SRBCRS, extension, random_vector_mask
 
@@ -194,13 +193,9 @@ def plot(records, path: Path, title: str):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m magicube.eval.bench_attention", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="B=8, H=4, L=4096 only (the target shape)")
-    ap.add_argument("--out", default="eval/results", help="directory for the JSON and the plot")
-    ap.add_argument("--reps", type=int, default=50)
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_attention: needs a CUDA device", file=sys.stderr)
+    args = kernel_bench_args("bench_attention", __doc__, argv, quick="B=8, H=4, L=4096 only (the target shape)",
+                             reps=50)
+    if args is None:
         return 2
     extension.load("attention")
     pipeline = True

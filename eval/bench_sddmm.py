@@ -12,13 +12,12 @@ device-to-device copy measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 from pathlib import Path
 
 import torch
 
-from magicube.eval.timing import cuda_time, device_slug, environment, save_json
+from magicube.eval.timing import cuda_time, device_slug, environment, kernel_bench_args, save_json
 from magicube.ops import SRBCRS, extension, random_vector_mask
 
 PRECISIONS = (("L16-R16", 16), ("L8-R8", 8), ("L4-R4", 4), ("fp16", 0))
@@ -134,14 +133,10 @@ def plot(result, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m magicube.eval.bench_sddmm", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a small subset (the target shape included)")
-    ap.add_argument("--out", default="eval/results", help="directory for the JSON and the plot")
-    ap.add_argument("--reps", type=int, default=50)
-    args = ap.parse_args(argv)
-    if not extension.available():
-        print("bench_sddmm: needs a CUDA device")
-        return 1
+    args = kernel_bench_args("bench_sddmm", __doc__, argv, quick="a small subset (the target shape included)",
+                             reps=50)
+    if args is None:
+        return 2
     if args.quick:
         cfg = dict(shapes=[(4096, 32, 64)], v=[2, 4, 8], sparsity=[0.5, 0.9, 0.98], softmax_bits=[0, 8, 4])
     else:

@@ -16,7 +16,6 @@ panel per V).
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from magicube.eval.timing import cuda_time, device_slug, environment, save_json
+from magicube.eval.timing import cuda_time, device_slug, environment, kernel_bench_args, save_json
 from magicube.ops import SRBCRS, extension, random_vector_mask, to_container
 
 PAIRS = [(8, 8), (4, 4), (16, 8), (16, 16), (8, 4), (16, 4), (12, 4)]
@@ -214,13 +213,9 @@ def plot(records, path: Path, title: str):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m magicube.eval.bench_spmm", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a small subset (the target shape included)")
-    ap.add_argument("--out", default="eval/results", help="directory for the JSON and the plot")
-    ap.add_argument("--reps", type=int, default=15, help="timed replays of %d back-to-back calls" % INNER)
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_spmm: needs a CUDA device", file=sys.stderr)
+    args = kernel_bench_args("bench_spmm", __doc__, argv, quick="a small subset (the target shape included)",
+                             reps=15, reps_help="timed replays of %d back-to-back calls" % INNER)
+    if args is None:
         return 2
     extension.load("spmm")
     env = environment()

@@ -1,7 +1,26 @@
-"""The kernel benchmarks' file names and target summaries, on synthetic records (no GPU)."""
+"""The kernel benchmarks' command line, file names and target summaries, on synthetic records (no GPU)."""
 
-from magicube.eval import bench_sddmm
+import pytest
+import torch
+
+from magicube.eval import bench_attention, bench_sddmm, bench_spmm
 from magicube.eval.timing import device_slug
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device would start the benchmark")
+@pytest.mark.parametrize("bench", [bench_spmm, bench_sddmm, bench_attention], ids=lambda m: m.__name__)
+def test_kernel_benchmarks_say_they_need_a_gpu(bench, tmp_path, capsys):
+    assert bench.main(["--quick", "--out", str(tmp_path)]) == 2
+    name = bench.__name__.rsplit(".", 1)[1]
+    assert f"{name}: needs a CUDA device" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_kernel_benchmarks_reject_unknown_options(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_spmm.main(["--quik"])
+    assert exit_.value.code == 2
+    assert "python -m magicube.eval.bench_spmm" in capsys.readouterr().err
 
 
 def test_device_slug_names_the_device():
