@@ -5,8 +5,10 @@
 Sweeps sparsity, vector length V, N and M = K; times each kernel (fp16 output, dequantization
 fused) with CUDA events after warm-up (back-to-back calls replayed from a CUDA graph, L2 warm)
 and reports medians, effective TOPS (2*M*N*K*density / t,
-density = the kept fraction of the mask) and speedups over cuBLAS fp16 (`torch.matmul`) of the
-same dense shape. Baselines in the same run: cuBLAS fp16, `torch._int_mm` int8, the project's
+density = the kept fraction of the mask), speedups over cuBLAS fp16 (`torch.matmul`) of the
+same dense shape and, for the project's kernels, the effective gather rate: the bytes of the B
+rows that the kept vectors use (one row of N values per kept vector), over t. The gather kernel
+moves about those bytes from L2, which bounds it (`eval/results/kernel_checks.md`, last section). Baselines in the same run: cuBLAS fp16, `torch._int_mm` int8, the project's
 fp16 SR-BCRS kernel and cuSPARSE fp16 CSR SpMM (`to_sparse_csr() @ dense`). Then the attention
 pipeline's P x V (32 batch x heads, M = K = 4096, N = 64), the narrow product the resident-B
 kernel serves, with each SpMM kernel forced and with the automatic choice, against cuBLAS fp16
@@ -35,6 +37,18 @@ TARGET = dict(pair="L8-R8", v=8, sparsity=0.9, mk=4096, n=256)
 # resident-B kernel serves: timed with each kernel forced and with the automatic choice.
 PV = dict(bh=32, mk=4096, n=64, v=8, sparsity=[0.9, 0.95], pairs=[(8, 8), (16, 8), (8, 4)])
 KERNEL_CHOICES = ("gather", "resident", "auto")
+
+
+def gathered_bytes(kernel: str, m: int, k: int, n: int, v: int, density: float) -> float | None:
+    """Bytes of the B rows that the kept vectors of an M x K mask use, one row of N values of
+    the kernel's B width per kept vector; None for kernels outside the SR-BCRS family."""
+    if kernel == "sparse_fp16":
+        b_bits = 16
+    elif kernel.startswith("L") and "-R" in kernel:
+        b_bits = int(kernel.split("-R")[1])
+    else:
+        return None
+    return m * k * density / v * n * b_bits / 8
 
 
 def _time(fn, reps, graph=True):
@@ -97,8 +111,10 @@ def run(cfg, reps: int, log=print, checkpoint=None):
                     rec = dict(m=m, k=k, n=n, v=v, sparsity=sp, density=density)
 
                     def add(kernel, ms):
+                        gathered = gathered_bytes(kernel, m, k, n, v, density)
+                        extra = {} if gathered is None else dict(gather_tbs=gathered / ms / 1e9)
                         records.append(dict(rec, kernel=kernel, ms=ms, tops=flops / ms / 1e9,
-                                            speedup=dense_ms / ms))
+                                            speedup=dense_ms / ms, **extra))
 
                     dense_a = a16 * emask
                     vals16 = cp.pack_values(dense_a)[None]
@@ -173,7 +189,10 @@ def summarize(records):
             out["target"] = dict(TARGET, us=tgt["ms"] * 1e3, speedup_vs_cublas_fp16=tgt["speedup"],
                                  speedup_vs_sparse_fp16=by["sparse_fp16"]["ms"] / tgt["ms"],
                                  cublas_fp16_us=tgt["ms"] * tgt["speedup"] * 1e3,
-                                 sparse_fp16_us=by["sparse_fp16"]["ms"] * 1e3)
+                                 sparse_fp16_us=by["sparse_fp16"]["ms"] * 1e3,
+                                 gathered_mb=gathered_bytes(TARGET["pair"], tgt["m"], tgt["k"], tgt["n"], tgt["v"],
+                                                            tgt["density"]) / 1e6,
+                                 gather_tbs=tgt.get("gather_tbs"))
     pv = [r for r in records if r.get("section") == "attention_pv" and r.get("sparsity", 0.9) == 0.9]
     if pv:
         out["attention_pv_sparsity_0.9_us"] = {r["kernel"]: r["ms"] * 1e3 for r in pv}

@@ -42,3 +42,28 @@ def test_sddmm_summary_reads_the_target_shape_only():
     assert summary["sddmm_speedup_vs_dense"] == {"sddmm L8-R8": 5.2}
     assert abs(summary["sddmm_us"]["sddmm L8-R8"] - 75.0) < 1e-9
     assert summary["softmax_fraction_of_copy"] == {"softmax out_bits=8": 0.87}
+
+
+def test_spmm_gathered_bytes_count_one_b_row_per_kept_vector():
+    # 512 vector rows x 410 kept vectors (the target's mask), rows of 256 values.
+    density = 410 / 4096
+    assert bench_spmm.gathered_bytes("L8-R8", 4096, 4096, 256, 8, density) == 512 * 410 * 256
+    assert bench_spmm.gathered_bytes("L16-R4", 4096, 4096, 256, 8, density) == 512 * 410 * 128
+    assert bench_spmm.gathered_bytes("sparse_fp16", 4096, 4096, 256, 2, density) == 2048 * 410 * 512
+    assert bench_spmm.gathered_bytes("cublas_fp16", 4096, 4096, 256, 8, density) is None
+
+
+def test_spmm_summary_reports_the_targets_gather_rate():
+    t = bench_spmm.TARGET
+    rec = dict(m=t["mk"], k=t["mk"], n=t["n"], v=t["v"], sparsity=t["sparsity"], density=410 / 4096)
+    gathered = bench_spmm.gathered_bytes(t["pair"], rec["m"], rec["k"], rec["n"], rec["v"], rec["density"])
+    records = [
+        dict(m=rec["m"], k=rec["k"], n=rec["n"], kernel="cublas_fp16", ms=0.0167, speedup=1.0),
+        dict(rec, kernel=t["pair"], ms=0.0107, speedup=0.0167 / 0.0107, gather_tbs=gathered / 0.0107 / 1e9),
+        dict(rec, kernel="sparse_fp16", ms=0.020, speedup=0.0167 / 0.020, gather_tbs=2 * gathered / 0.020 / 1e9),
+    ]
+    target = bench_spmm.summarize(records)["target"]
+    assert abs(target["gathered_mb"] - 53.73952) < 1e-9
+    assert abs(target["gather_tbs"] - 5.02) < 0.01
+    assert abs(target["cublas_fp16_us"] - 16.7) < 1e-9
+    assert abs(target["speedup_vs_sparse_fp16"] - 0.020 / 0.0107) < 1e-12
