@@ -17,8 +17,10 @@ does (absmax scales per batch x head, model.lra.quantize_qkv), which is also tim
 Every output is first compared with an fp32 reference on the first heads (dense softmax for the
 dense rows, the masked one for the sparse rows) and the relative error is printed beside the
 time. Medians of CUDA-event timings of CUDA-graph replays after warm-up (no Python launch
-overhead, as in `magicube bench --cuda-graph`). Writes attention_<device>.json and a plot of
-time per method.
+overhead, as in `magicube bench --cuda-graph`). The fused rows also report their effective
+gather rate: the key and value rows their kept slots use (one of each per slot), over the time;
+the kernel fetches about those bytes from L2, which bounds it (`eval/results/kernel_checks.md`,
+last section). Writes attention_<device>.json and a plot of time per method.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from magicube.ops import SRBCRS, extension, random_vector_mask
 
 FULL = dict(b=[2, 8], h=[4, 8], seq=[4096, 8192], sparsity=[0.9, 0.95])
 QUICK = dict(b=[8], h=[4], seq=[4096], sparsity=[0.9, 0.95])
-TARGET = dict(b=8, h=4, seq=4096, sparsity=0.9, method="fused 8b-8b")
+TARGET = dict(b=8, h=4, seq=4096, sparsity=0.9, method="fused 8b-8b", qk_bits=8)
 D, V = 64, 8
 QUANT = [(8, 8), (16, 8), (8, 4)]  # (probability bits, Q/K/V bits)
 REF_HEADS = 2  # heads compared with the fp32 reference
@@ -51,6 +53,12 @@ def rel_err(out, ref):
         out = out.transpose(1, 2).flatten(0, 1)
     out = out[:ref.shape[0]].float()
     return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+def gathered_bytes(bh: int, seq: int, density: float, d: int, bits: int) -> float:
+    """Bytes of the key and value rows (d values of `bits` each) that the kept slots of a seq x seq
+    mask of V-vectors use in each of bh batch x heads."""
+    return bh * seq * seq * density / V * 2 * d * bits / 8
 
 
 def run_config(b, h, seq, sparsity, reps, pipeline, log):
@@ -77,10 +85,12 @@ def run_config(b, h, seq, sparsity, reps, pipeline, log):
     records = []
     base = dict(b=b, h=h, seq=seq, d=D, v=V, sparsity=sparsity, density=density)
 
-    def add(method, fn, ref, quant_ms=0.0, kind="sparse"):
+    def add(method, fn, ref, quant_ms=0.0, kind="sparse", gather_bits=None):
         err = rel_err(fn(), ref)
         ms = cuda_time(fn, warmup=max(5, reps // 5), reps=reps, graph=True)["median_ms"]
         rec = dict(base, method=method, kind=kind, ms=ms, quant_ms=quant_ms, total_ms=ms + quant_ms, rel_err=err)
+        if gather_bits is not None:
+            rec["gather_tbs"] = gathered_bytes(bh, seq, density, D, gather_bits) / ms / 1e9
         records.append(rec)
         extra = f" (+ quantization {quant_ms * 1e3:.1f} us = {rec['total_ms'] * 1e3:.1f} us)" if quant_ms else ""
         log(f"  {method:24s} {ms * 1e3:9.1f} us{extra}   rel. error {err:.2e}")
@@ -114,7 +124,8 @@ def run_config(b, h, seq, sparsity, reps, pipeline, log):
 
     if pipeline:
         add("pipeline fp16", pipeline_fp16, ref_sparse)
-    add("fused fp16", lambda: ops.sparse_attention(*pattern, q, k, v, None, None, None, V, scale, 16, 0, h), ref_sparse)
+    add("fused fp16", lambda: ops.sparse_attention(*pattern, q, k, v, None, None, None, V, scale, 16, 0, h), ref_sparse,
+        gather_bits=16)
 
     for p_bits, qk_bits in QUANT:
         quant_ms = cuda_time(lambda: quantize_qkv(qkv, qk_bits), warmup=3, reps=max(10, reps // 2), graph=True)["median_ms"]
@@ -135,7 +146,8 @@ def run_config(b, h, seq, sparsity, reps, pipeline, log):
         if pipeline:
             add(f"pipeline {label}", three_ops, ref_sparse, quant_ms)
         add(f"fused {label}", lambda qq=qq, kq=kq, vq=vq, sq=sq, sk=sk, sv=sv, p_bits=p_bits, qk_bits=qk_bits:
-            ops.sparse_attention(*pattern, qq, kq, vq, sq, sk, sv, V, scale, qk_bits, p_bits, h), ref_sparse, quant_ms)
+            ops.sparse_attention(*pattern, qq, kq, vq, sq, sk, sv, V, scale, qk_bits, p_bits, h), ref_sparse, quant_ms,
+            gather_bits=qk_bits)
         del qq, kq, vq, sq, sk, sv, scales
     flash = next(r["total_ms"] for r in records if r["method"] == "SDPA flash fp16")
     for r in records:
@@ -153,7 +165,10 @@ def summarize(records):
                              flash_us=by["SDPA flash fp16"]["ms"] * 1e3,
                              speedup_vs_flash_with_quantization=r["speedup_vs_flash"],
                              speedup_vs_flash_kernel_only=by["SDPA flash fp16"]["ms"] / r["ms"],
-                             pipeline_us=by.get("pipeline 8b-8b", {}).get("total_ms", math.nan) * 1e3)
+                             pipeline_us=by.get("pipeline 8b-8b", {}).get("total_ms", math.nan) * 1e3,
+                             gathered_mb=gathered_bytes(r["b"] * r["h"], r["seq"], r["density"], r["d"],
+                                                         TARGET["qk_bits"]) / 1e6,
+                             gather_tbs=r.get("gather_tbs"))
     return out
 
 

@@ -67,3 +67,21 @@ def test_spmm_summary_reports_the_targets_gather_rate():
     assert abs(target["gather_tbs"] - 5.02) < 0.01
     assert abs(target["cublas_fp16_us"] - 16.7) < 1e-9
     assert abs(target["speedup_vs_sparse_fp16"] - 0.020 / 0.0107) < 1e-12
+
+
+def test_attention_summary_reports_the_targets_gather_rate():
+    t = bench_attention.TARGET
+    base = dict(b=t["b"], h=t["h"], seq=t["seq"], d=64, v=8, sparsity=t["sparsity"], density=410 / 4096)
+    # 32 batch x heads x 512 vector rows x 410 kept slots, a 64-byte key row and value row each.
+    gathered = bench_attention.gathered_bytes(32, 4096, 410 / 4096, 64, 8)
+    assert gathered == 32 * 512 * 410 * 128
+    assert bench_attention.gathered_bytes(32, 4096, 410 / 4096, 64, 4) == gathered / 2
+    records = [
+        dict(base, method="SDPA flash fp16", ms=0.29, total_ms=0.29, speedup_vs_flash=1.0),
+        dict(base, method=t["method"], ms=0.1526, total_ms=0.2306, speedup_vs_flash=0.29 / 0.2306,
+             gather_tbs=gathered / 0.1526 / 1e9),
+    ]
+    target = bench_attention.summarize(records)["target"]
+    assert abs(target["gathered_mb"] - 859.83232) < 1e-9
+    assert abs(target["gather_tbs"] - 5.63) < 0.01
+    assert abs(target["speedup_vs_flash_kernel_only"] - 0.29 / 0.1526) < 1e-12
