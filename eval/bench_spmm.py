@@ -8,8 +8,9 @@ and reports medians, effective TOPS (2*M*N*K*density / t,
 density = the kept fraction of the mask), speedups over cuBLAS fp16 (`torch.matmul`) of the
 same dense shape and, for the project's kernels, the effective gather rate: the bytes of the B
 rows that the kept vectors use (one row of N values per kept vector), over t. The gather kernel
-moves about those bytes from L2, which bounds it (`eval/results/kernel_checks.md`, last section). Baselines in the same run: cuBLAS fp16, `torch._int_mm` int8, the project's
-fp16 SR-BCRS kernel and cuSPARSE fp16 CSR SpMM (`to_sparse_csr() @ dense`). Then the attention
+moves about those bytes from L2, which bounds it (`eval/results/kernel_checks.md`, last
+section). Baselines in the same run: cuBLAS fp16, `torch._int_mm` int8, the project's fp16
+SR-BCRS kernel and cuSPARSE fp16 CSR SpMM (`to_sparse_csr() @ dense`). Then the attention
 pipeline's P x V (32 batch x heads, M = K = 4096, N = 64), the narrow product the resident-B
 kernel serves, with each SpMM kernel forced and with the automatic choice, against cuBLAS fp16
 bmm. Writes spmm[_quick]_<device>.json and a plot of speedup over cuBLAS against sparsity (one
