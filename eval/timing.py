@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
