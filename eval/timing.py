@@ -1,4 +1,5 @@
-"""What every benchmark shares: CUDA-event timing, the run's environment, JSON output."""
+"""What every benchmark shares: CUDA-event timing, the run's environment, JSON output, and the kernel
+benchmarks' command line."""
 
 from __future__ import annotations
 
