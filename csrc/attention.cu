@@ -98,9 +98,20 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
   MAGICUBE_CHECK(smem <= max_smem, "sparse_attention: needs ", smem,
                  " bytes of shared memory per block, the device has ", max_smem);
   p.cached = static_cast<int>(cached);
-  const dim3 grid(static_cast<unsigned>(SPLIT ? vrows : (vrows + kWarps - 1) / kWarps), static_cast<unsigned>(bh));
-  kernel<<<grid, kThreads, smem, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // Batch x heads per rasterization window (the kernel's comment): as many as keep their keys and
+  // values within a third of L2. On an H100 (50 MB L2, B 8, H 4, L 4096, sparsity 0.9), all 32
+  // batch x heads of 8-bit inputs (16 MB) together took 148 us against 158 one after the other,
+  // and 64 together 479 against 305 for 32; fp16 (1 MB each) 331 us for 32 together, 292 for 16.
+  const int64_t per_bh = static_cast<int64_t>(p.n) * (C::kKeyBytes + C::kValBytes);
+  const int64_t window = std::clamp<int64_t>(prop->l2CacheSize / 3 / std::max<int64_t>(per_bh, 1), 1, bh);
+  const int64_t groups = SPLIT ? vrows : (vrows + kWarps - 1) / kWarps;
+  for (int64_t g0 = 0; g0 < groups; g0 += 65535) {
+    p.group0 = static_cast<int>(g0);
+    const dim3 grid(static_cast<unsigned>(window), static_cast<unsigned>(std::min<int64_t>(groups - g0, 65535)),
+                    static_cast<unsigned>((bh + window - 1) / window));
+    kernel<<<grid, kThreads, smem, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 // One head dim for query/key and value: every (d, dv) pair would triple the instantiations (and

@@ -87,6 +87,7 @@ struct Params {
   int heads;
   int bh, m, n, v;
   int cached;              // blocks per warp whose scores stay in shared memory
+  int group0;              // the launch's first row group (the kernel's comment)
   float softmax_scale;
 };
 
@@ -220,8 +221,10 @@ __device__ __forceinline__ const float* strided(const float* base, uint32_t i, u
   return reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(base) + i * step);
 }
 
+// Vector row `order_pos` of row_order in batch x head bh: the warp's own row (whole rows), or the
+// CTA's, its blocks shared by the 4 warps (SPLIT).
 template <int OP, int PB, int D, int DV, bool SPLIT>
-__global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
+__device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int order_pos) {
   using C = Cfg<OP, PB, D, DV>;
   constexpr int NW = C::kLaneWords;
   using Words = QkWords<OP, NW>;
@@ -231,10 +234,6 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t bh = blockIdx.y;
-  const int vrows = p.m / p.v;
-  const int order_pos = SPLIT ? blockIdx.x : blockIdx.x * kWarps + warp;
-  if (!SPLIT && order_pos >= vrows) return;  // whole rows: the last CTA may hold fewer rows
   const int vrow = p.row_order[order_pos];
   const int v = p.v;
   const int start = p.row_ptr[2 * vrow];
@@ -766,6 +765,24 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       *o = __halves2half2(__float2half_rn(__ll2float_rn(tot[0]) * (rs * sv[0])),
                           __float2half_rn(__ll2float_rn(tot[1]) * (rs * sv[1])));
     }
+  }
+}
+
+// Rasterization: batch x heads go in windows of gridDim.x, sized on the host so that a window's
+// keys and values stay in L2. blockIdx.x picks the batch x head in the window, blockIdx.y the row
+// group (a CTA's vector rows in row_order, from p.group0: a launch covers at most 65535) and
+// blockIdx.z the window. CTAs start in that order (x fastest) and row_order descends in length, so
+// the longest rows of every batch x head in a window start first.
+template <int OP, int PB, int D, int DV, bool SPLIT>
+__global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
+  const int64_t bh = static_cast<int64_t>(blockIdx.z) * gridDim.x + blockIdx.x;
+  if (bh >= p.bh) return;  // the last window may be narrower
+  const int group = p.group0 + blockIdx.y;
+  if constexpr (SPLIT) {
+    attention_row<OP, PB, D, DV, true>(p, bh, group);
+  } else {
+    const int pos = group * kWarps + (threadIdx.x >> 5);
+    if (pos < p.m / p.v) attention_row<OP, PB, D, DV, false>(p, bh, pos);  // the last CTA may hold fewer rows
   }
 }
 

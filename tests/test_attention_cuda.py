@@ -276,6 +276,30 @@ def test_split_rows(kernels, p_bits, qk_bits, n):
     check_quantized(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, f"split rows, N={n}")
 
 
+def test_rasterization_windows_and_row_groups(kernels):
+    """The grid's two limits. Batch x heads go in windows of as many as keep their 8-bit keys and
+    values (N x 128 bytes each at d 64) within a third of L2: one more than a window makes a
+    second, narrow window. Row groups (4 vector rows each) go 65535 to a launch: 262,148 vector
+    rows of V 2 (M = 524,296, N 40) take two launches."""
+    v, d, n = 8, 64, 4096
+    window = torch.cuda.get_device_properties(0).L2_cache_size // 3 // (n * 2 * d)
+    bh = max(window, 1) + 1
+    p, emask = problem(bh, 3, n, v, 0.9, seed=6)
+    g = torch.Generator().manual_seed(4)
+    inputs = make_inputs(bh, p.m, n, d, 8, 8, g, per_head=True)
+    got, want = run_both(kernels, p, inputs, v, d**-0.5, 8, 8)
+    check_quantized(p, emask, inputs, got, want, v, d**-0.5, 8, 8, f"BH = {bh}, one past a window of {window}")
+
+    v, n, d, rows = 2, 40, 32, 4 * 65535 + 8
+    mask = torch.rand(rows, n, generator=g) < 0.1
+    mask[-1] = True  # the second launch's last row keeps every key
+    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
+    inputs = make_inputs(1, p.m, n, d, 8, 8, g, per_head=True)
+    got, want = run_both(kernels, p, inputs, v, d**-0.5, 8, 8)
+    check_quantized(p, VectorMask(mask, v).to_dense(), inputs, got, want, v, d**-0.5, 8, 8,
+                    f"{rows} vector rows")
+
+
 def test_public_op_dispatches_to_kernel(kernels):
     from magicube.ops import sparse_attention
 
