@@ -4,7 +4,8 @@
     compute-sanitizer --tool racecheck python tests/sanitize_attention.py
 
 Covers an empty row, a row longer than the kernel's score cache (its recompute path), rows split
-over 4 warps (N past a warp's exact int32 accumulation), V = 2 and 8, head dims 32 and 64,
+over 4 warps (N past a warp's exact int32 accumulation), a row past 8 mean rows (the split kernel
+on a side stream beside the whole-row kernel), V = 2 and 8, head dims 32 and 64,
 shuffled and plain patterns, and the attention layer's call: the output as [B, M, heads, dv] with
 per-(batch x head) scales expanded along their rows (stride 0, read in place). Exits non-zero if a
 result is far from the reference (the GPU tests hold it to the exact bounds).
@@ -46,11 +47,13 @@ def main() -> int:
     # n = 1100: the full row has 35 blocks, most past the score cache. n = 22500 at 16 bits: past
     # one warp's exact int32 accumulation over a row, so the kernel splits rows over 4 warps.
     # heads > 1: per-(batch x head) scales, BH = 6 leaves the last whole-row CTA half empty.
-    for v, d, shuffle, n, pairs, bh, heads in ((2, 32, False, 1100, PAIRS, 2, 1), (8, 64, True, 1100, PAIRS, 2, 1),
-                                               (8, 64, False, 22_500, [(16, 16)], 2, 1),
-                                               (8, 64, True, 1100, PAIRS, 6, 3),
-                                               (8, 32, False, 22_500, [(16, 16)], 4, 2)):
-        mask = torch.rand(4, n, generator=g) < 0.2
+    # 24 rows of density 0.02 beside the full one: a row past 8 mean rows, which the split kernel
+    # takes on a side stream while the whole-row kernel serves the rest.
+    for v, d, shuffle, n, pairs, bh, heads, rows, density in (
+            (2, 32, False, 1100, PAIRS, 2, 1, 4, 0.2), (8, 64, True, 1100, PAIRS, 2, 1, 4, 0.2),
+            (8, 64, False, 22_500, [(16, 16)], 2, 1, 4, 0.2), (8, 64, True, 1100, PAIRS, 6, 3, 4, 0.2),
+            (8, 32, False, 22_500, [(16, 16)], 4, 2, 4, 0.2), (8, 64, False, 1100, PAIRS, 3, 1, 24, 0.02)):
+        mask = torch.rand(rows, n, generator=g) < density
         mask[0] = False
         mask[2] = True
         vm = VectorMask(mask, v)

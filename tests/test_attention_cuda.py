@@ -276,6 +276,39 @@ def test_split_rows(kernels, p_bits, qk_bits, n):
     check_quantized(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, f"split rows, N={n}")
 
 
+@pytest.mark.parametrize("p_bits, qk_bits", PAIRS, ids=PAIR_IDS)
+def test_global_rows(kernels, p_bits, qk_bits):
+    """Rows past 8 mean rows (global tokens, keeping every key) go to the split kernel on a side
+    stream while the whole-row kernel serves the rest: 400 vector rows of density 0.01, 20 of them
+    full (more than the 16 CTAs a batch x head that take them in turn), one empty; the same result
+    from a CUDA graph (the side stream's fork and join captured)."""
+    bh, rows, n, v, d = 3, 400, 2048, 8, 64
+    g = torch.Generator().manual_seed(31)
+    mask = torch.rand(rows, n, generator=g) < 0.01
+    mask[3::20], mask[7] = True, False
+    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
+    emask = VectorMask(mask, v).to_dense()
+    inputs = make_inputs(bh, p.m, n, d, p_bits, qk_bits, g)
+    got, want = run_both(kernels, p, inputs, v, d**-0.5, qk_bits, p_bits)
+    if p_bits == 0:
+        check_fp16(p, emask, inputs, got, want, d**-0.5, "global rows")
+    else:
+        check_quantized(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, "global rows")
+    cuda = p.to("cuda")
+    args = (cuda.row_ptr, cuda.col_idx, cuda.row_order, *(to_cuda(x) for x in inputs), v, d**-0.5, qk_bits, p_bits, 1)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        eager = kernels.sparse_attention(*args)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            captured = kernels.sparse_attention(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    assert torch.equal(eager.transpose(1, 2).reshape(bh, p.m, d).cpu(), got)
+
+
 def test_rasterization_windows_and_row_groups(kernels):
     """The grid's two limits. Batch x heads go in windows of as many as keep their 8-bit keys and
     values (N x 128 bytes each at d 64) within a third of L2: one more than a window makes a
