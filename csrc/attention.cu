@@ -133,7 +133,7 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
     // descends in padded length, and the bound is whole blocks) of at most `candidates` rows, which
     // up to 16 CTAs per batch x head take in turn, each stopping at its first row that is not long.
     // H100, B 8, H 4, L 4096, window 32 + CLS row and column + random fill: 209 -> 148 us at
-    // sparsity 0.9 (the random mask's time), 201 -> 92 us at 0.95; the CLS row alone has 128
+    // sparsity 0.9 (the random mask's time), 201 -> 91 us at 0.95; the CLS row alone has 128
     // blocks, 8 to 18 times the others.
     const int64_t long_slots = 8 * mean_blocks * kSlots;
     const int64_t candidates = std::min<int64_t>({vrows, nnz_pad / (long_slots + kSlots), 16});

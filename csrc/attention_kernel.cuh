@@ -8,9 +8,10 @@
 // keep 34 % of the keys between them, not 40 %), and the gathers go through L1, so a key or
 // value row that two warps of the CTA both need is often fetched from L2 once. A warp owns its
 // row: there is no block barrier and no cross-warp reduction. Split rows (SPLIT, for rows too
-// long for one warp's exact int32 accumulators): one CTA = one vector row of one batch x head,
-// its 4 warps take the row's 32-slot blocks round-robin and reduce through shared memory. Scores
-// and probabilities never leave the SM.
+// long for one warp's exact int32 accumulators, and for rows many times the mean, which a second
+// launch takes beside the whole-row kernel): one CTA = one vector row of one batch x head, its 4
+// warps take the row's 32-slot blocks round-robin and reduce through shared memory. Scores and
+// probabilities never leave the SM.
 //
 // Why this shape (Hopper, L = 4096, d = 64, sparsity 0.9: ~13 blocks per row):
 // - The kernel is bound by the gather of key and value rows (K and V stay in L2), not by tensor
