@@ -83,6 +83,20 @@ def run_both(kernels, p, inputs, v, softmax_scale, qk_bits, p_bits, heads=1):
     return tuple(y.transpose(1, 2).reshape(bh, m, dv) for y in (got.cpu(), want))
 
 
+def on_stream_and_captured(kernels, args):
+    """The op run on a side stream, and captured there in a CUDA graph and replayed."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        on_stream = kernels.sparse_attention(*args)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            captured = kernels.sparse_attention(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    return on_stream, captured
+
+
 def fp16_ulp(x: torch.Tensor) -> torch.Tensor:
     a = x.double().abs()
     e = torch.floor(torch.log2(a.clamp(min=2.0**-14)))
@@ -107,6 +121,14 @@ def check_quantized(p, emask, inputs, got, want, v, softmax_scale, qk_bits, p_bi
     assert exact >= 0.99, f"{what}: only {exact:.2%} of the outputs are bit-exact"
     empty = emask.sum(1) == 0
     assert bool((got[:, empty] == 0).all()), f"{what}: rows without kept keys must be 0"
+
+
+def check(p, emask, inputs, got, want, v, softmax_scale, qk_bits, p_bits, what):
+    """The mode's bound: fp16 (p_bits 0) or quantized probabilities."""
+    if p_bits == 0:
+        check_fp16(p, emask, inputs, got, want, softmax_scale, what)
+    else:
+        check_quantized(p, emask, inputs, got, want, v, softmax_scale, qk_bits, p_bits, what)
 
 
 def check_fp16(p, emask, inputs, got, want, softmax_scale, what):
@@ -143,10 +165,7 @@ def test_matches_reference(kernels, p_bits, qk_bits, v, d):
         softmax_scale = d**-0.5
         got, want = run_both(kernels, p, inputs, v, softmax_scale, qk_bits, p_bits)
         what = f"shape (BH={bh}, M={p.m}, N={n}, d={d})"
-        if p_bits == 0:
-            check_fp16(p, emask, inputs, got, want, softmax_scale, what)
-        else:
-            check_quantized(p, emask, inputs, got, want, v, softmax_scale, qk_bits, p_bits, what)
+        check(p, emask, inputs, got, want, v, softmax_scale, qk_bits, p_bits, what)
 
 
 @pytest.mark.parametrize("p_bits, qk_bits", [pq for pq in PAIRS if pq[0]], ids=[i for i in PAIR_IDS if i != "fp16"])
@@ -175,10 +194,7 @@ def test_balanced_rows(kernels, p_bits, qk_bits):
     g = torch.Generator().manual_seed(11)
     inputs = make_inputs(bh, seq, seq, d, p_bits, qk_bits, g)
     got, want = run_both(kernels, p, inputs, v, d**-0.5, qk_bits, p_bits)
-    if p_bits == 0:
-        check_fp16(p, mask.to_dense(), inputs, got, want, d**-0.5, "balanced")
-    else:
-        check_quantized(p, mask.to_dense(), inputs, got, want, v, d**-0.5, qk_bits, p_bits, "balanced")
+    check(p, mask.to_dense(), inputs, got, want, v, d**-0.5, qk_bits, p_bits, "balanced")
 
 
 @pytest.mark.parametrize("p_bits, qk_bits", PAIRS, ids=PAIR_IDS)
@@ -190,10 +206,7 @@ def test_negative_softmax_scale(kernels, p_bits, qk_bits):
     inputs = make_inputs(bh, p.m, n, d, p_bits, qk_bits, g)
     scale = -(d**-0.5)
     got, want = run_both(kernels, p, inputs, v, scale, qk_bits, p_bits)
-    if p_bits == 0:
-        check_fp16(p, emask, inputs, got, want, scale, "negative scale")
-    else:
-        check_quantized(p, emask, inputs, got, want, v, scale, qk_bits, p_bits, "negative scale")
+    check(p, emask, inputs, got, want, v, scale, qk_bits, p_bits, "negative scale")
 
 
 @pytest.mark.parametrize("heads", [1, 2, 4])
@@ -212,10 +225,7 @@ def test_heads_layout_and_expanded_scales(kernels, p_bits, qk_bits, heads):
         inputs = make_inputs(bh, p.m, n, d, p_bits, qk_bits, g, per_head=True)
         got, want = run_both(kernels, p, inputs, v, d**-0.5, qk_bits, p_bits, heads)
         what = f"heads={heads}, BH={bh}, N={n}"
-        if p_bits == 0:
-            check_fp16(p, emask, inputs, got, want, d**-0.5, what)
-        else:
-            check_quantized(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, what)
+        check(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, what)
         contiguous = [x if x is None else x.contiguous() for x in inputs]
         flat, _ = run_both(kernels, p, contiguous, v, d**-0.5, qk_bits, p_bits)
         assert torch.equal(got, flat), f"{what}: the heads layout or the expanded scales changed the output"
@@ -233,10 +243,7 @@ def test_long_row_uncached(kernels):
     for p_bits, qk_bits in [(8, 8), (16, 16), (0, 16)]:
         inputs = make_inputs(1, p.m, n, d, p_bits, qk_bits, g)
         got, want = run_both(kernels, p, inputs, v, d**-0.5, qk_bits, p_bits)
-        if p_bits == 0:
-            check_fp16(p, emask, inputs, got, want, d**-0.5, "long row")
-        else:
-            check_quantized(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, "long row")
+        check(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, "long row")
 
 
 @pytest.mark.parametrize("p_bits, qk_bits", [(8, 8), (8, 4), (0, 16)], ids=["P8-QK8", "P8-QK4", "fp16"])
@@ -251,10 +258,7 @@ def test_unsorted_columns(kernels, p_bits, qk_bits):
     emask = VectorMask(mask, v).to_dense()
     inputs = make_inputs(bh, p.m, n, d, p_bits, qk_bits, g)
     got, want = run_both(kernels, p, inputs, v, d**-0.5, qk_bits, p_bits)
-    if p_bits == 0:
-        check_fp16(p, emask, inputs, got, want, d**-0.5, "unsorted columns")
-    else:
-        check_quantized(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, "unsorted columns")
+    check(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, "unsorted columns")
 
 
 @pytest.mark.parametrize("p_bits, qk_bits, n", [(16, 16, 22_500), (8, 8, 66_000), (16, 4, 66_000)])
@@ -290,21 +294,10 @@ def test_global_rows(kernels, p_bits, qk_bits):
     emask = VectorMask(mask, v).to_dense()
     inputs = make_inputs(bh, p.m, n, d, p_bits, qk_bits, g)
     got, want = run_both(kernels, p, inputs, v, d**-0.5, qk_bits, p_bits)
-    if p_bits == 0:
-        check_fp16(p, emask, inputs, got, want, d**-0.5, "global rows")
-    else:
-        check_quantized(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, "global rows")
+    check(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, "global rows")
     cuda = p.to("cuda")
     args = (cuda.row_ptr, cuda.col_idx, cuda.row_order, *(to_cuda(x) for x in inputs), v, d**-0.5, qk_bits, p_bits, 1)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        eager = kernels.sparse_attention(*args)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=s):
-            captured = kernels.sparse_attention(*args)
-    graph.replay()
-    torch.cuda.synchronize()
+    eager, captured = on_stream_and_captured(kernels, args)
     assert torch.equal(captured, eager)
     assert torch.equal(eager.transpose(1, 2).reshape(bh, p.m, d).cpu(), got)
 
@@ -354,15 +347,7 @@ def test_current_stream_and_graph_capture(kernels):
     cuda = p.to("cuda")
     args = (cuda.row_ptr, cuda.col_idx, cuda.row_order, *inputs, 8, 0.125, 8, 8, 1)
     want = kernels.sparse_attention(*args)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        on_stream = kernels.sparse_attention(*args)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=s):
-            captured = kernels.sparse_attention(*args)
-    graph.replay()
-    torch.cuda.synchronize()
+    on_stream, captured = on_stream_and_captured(kernels, args)
     assert torch.equal(on_stream, want)
     assert torch.equal(captured, want)
 
