@@ -8,10 +8,9 @@
 // keep 34 % of the keys between them, not 40 %), and the gathers go through L1, so a key or
 // value row that two warps of the CTA both need is often fetched from L2 once. A warp owns its
 // row: there is no block barrier and no cross-warp reduction. Split rows (SPLIT, for rows too
-// long for one warp's exact int32 accumulators, and for rows many times the mean, which a second
-// launch takes beside the whole-row kernel): one CTA = one vector row of one batch x head, its 4
-// warps take the row's 32-slot blocks round-robin and reduce through shared memory. Scores and
-// probabilities never leave the SM.
+// long for one warp's exact int32 accumulators): one CTA = one vector row of one batch x head,
+// its 4 warps take the row's 32-slot blocks round-robin and reduce through shared memory. Scores
+// and probabilities never leave the SM.
 //
 // Why this shape (Hopper, L = 4096, d = 64, sparsity 0.9: ~13 blocks per row):
 // - The kernel is bound by the gather of key and value rows (K and V stay in L2), not by tensor
@@ -89,11 +88,6 @@ struct Params {
   int bh, m, n, v;
   int cached;              // blocks per warp whose scores stay in shared memory
   int group0;              // the launch's first row group (the kernel's comment)
-  // Rows keeping count vectors with min_count < count <= max_count are this launch's; the others
-  // are another launch's (csrc/attention.cu: long rows go to the split kernel).
-  int min_count = -1;
-  int max_count = INT32_MAX;
-  int row_stride = INT32_MAX;  // split rows: a CTA's next row in row_order
   float softmax_scale;
 };
 
@@ -228,9 +222,9 @@ __device__ __forceinline__ const float* strided(const float* base, uint32_t i, u
 }
 
 // Vector row `order_pos` of row_order in batch x head bh: the warp's own row (whole rows), or the
-// CTA's, its blocks shared by the 4 warps (SPLIT). Returns whether the row is this launch's.
+// CTA's, its blocks shared by the 4 warps (SPLIT).
 template <int OP, int PB, int D, int DV, bool SPLIT>
-__device__ __forceinline__ bool attention_row(const Params& p, int64_t bh, int order_pos) {
+__device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int order_pos) {
   using C = Cfg<OP, PB, D, DV>;
   constexpr int NW = C::kLaneWords;
   using Words = QkWords<OP, NW>;
@@ -244,7 +238,6 @@ __device__ __forceinline__ bool attention_row(const Params& p, int64_t bh, int o
   const int v = p.v;
   const int start = p.row_ptr[2 * vrow];
   const int count = p.row_ptr[2 * vrow + 1] - start;
-  if (count <= p.min_count || count > p.max_count) return false;  // uniform in the CTA when SPLIT
   const int nb = (count + kSlots - 1) / kSlots;
   // This warp's blocks: block (SPLIT ? warp : 0) + j * kBlockStride for j < nbw.
   constexpr int kBlockStride = SPLIT ? kWarps : 1;
@@ -718,7 +711,7 @@ __device__ __forceinline__ bool attention_row(const Params& p, int64_t bh, int o
           out[r * ld + dv] = __float2half_rn(__ll2float_rn(total(mt, e)) * (rs[e & 1] * sv));
         }
       }
-    return true;
+    return;
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with its ring: the reduction reuses it
@@ -773,7 +766,6 @@ __device__ __forceinline__ bool attention_row(const Params& p, int64_t bh, int o
                           __float2half_rn(__ll2float_rn(tot[1]) * (rs * sv[1])));
     }
   }
-  return true;
 }
 
 // Rasterization: batch x heads go in windows of gridDim.x, sized on the host so that a window's
@@ -787,12 +779,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   if (bh >= p.bh) return;  // the last window may be narrower
   const int group = p.group0 + blockIdx.y;
   if constexpr (SPLIT) {
-    // Rows group, group + p.row_stride, ... while they are this launch's: one row, or for the
-    // long rows (a prefix of row_order) a share of them.
-    const int vrows = p.m / p.v;
-    for (int pos = group; attention_row<OP, PB, D, DV, true>(p, bh, pos) && vrows - pos > p.row_stride;
-         pos += p.row_stride)
-      __syncthreads();  // the next row reuses the shared memory
+    attention_row<OP, PB, D, DV, true>(p, bh, group);
   } else {
     const int pos = group * kWarps + (threadIdx.x >> 5);
     if (pos < p.m / p.v) attention_row<OP, PB, D, DV, false>(p, bh, pos);  // the last CTA may hold fewer rows

@@ -4,11 +4,11 @@
     compute-sanitizer --tool racecheck python tests/sanitize_attention.py
 
 Covers an empty row, a row longer than the kernel's score cache (its recompute path), rows split
-over 4 warps (N past a warp's exact int32 accumulation), a row past 8 mean rows (the split kernel
-on a side stream beside the whole-row kernel), V = 2 and 8, head dims 32 and 64,
-shuffled and plain patterns, and the attention layer's call: the output as [B, M, heads, dv] with
-per-(batch x head) scales expanded along their rows (stride 0, read in place). Exits non-zero if a
-result is far from the reference (the GPU tests hold it to the exact bounds).
+over 4 warps (N past a warp's exact int32 accumulation), a global token's row among short ones,
+V = 2 and 8, head dims 32 and 64, shuffled and plain patterns, and the attention layer's call: the
+output as [B, M, heads, dv] with per-(batch x head) scales expanded along their rows (stride 0,
+read in place). Exits non-zero if a result is far from the reference (the GPU tests hold it to the
+exact bounds).
 """
 
 import sys
@@ -47,8 +47,7 @@ def main() -> int:
     # n = 1100: the full row has 35 blocks, most past the score cache. n = 22500 at 16 bits: past
     # one warp's exact int32 accumulation over a row, so the kernel splits rows over 4 warps.
     # heads > 1: per-(batch x head) scales, BH = 6 leaves the last whole-row CTA half empty.
-    # 24 rows of density 0.02 beside the full one: a row past 8 mean rows, which the split kernel
-    # takes on a side stream while the whole-row kernel serves the rest.
+    # 24 rows of density 0.02 beside the full one: a global token's row, 35 blocks against one.
     for v, d, shuffle, n, pairs, bh, heads, rows, density in (
             (2, 32, False, 1100, PAIRS, 2, 1, 4, 0.2), (8, 64, True, 1100, PAIRS, 2, 1, 4, 0.2),
             (8, 64, False, 22_500, [(16, 16)], 2, 1, 4, 0.2), (8, 64, True, 1100, PAIRS, 6, 3, 4, 0.2),

@@ -282,10 +282,9 @@ def test_split_rows(kernels, p_bits, qk_bits, n):
 
 @pytest.mark.parametrize("p_bits, qk_bits", PAIRS, ids=PAIR_IDS)
 def test_global_rows(kernels, p_bits, qk_bits):
-    """Rows past 8 mean rows (global tokens, keeping every key) go to the split kernel on a side
-    stream while the whole-row kernel serves the rest: 400 vector rows of density 0.01, 20 of them
-    full (more than the 16 CTAs a batch x head that take them in turn), one empty; the same result
-    from a CUDA graph (the side stream's fork and join captured)."""
+    """Global tokens: 400 vector rows of density 0.01, 20 of them full (64 blocks against one,
+    most past the score cache), one empty; the same result from a CUDA graph, and with row_order
+    shuffled (a permutation of any order is a valid pattern: the order only balances load)."""
     bh, rows, n, v, d = 3, 400, 2048, 8, 64
     g = torch.Generator().manual_seed(31)
     mask = torch.rand(rows, n, generator=g) < 0.01
@@ -300,6 +299,9 @@ def test_global_rows(kernels, p_bits, qk_bits):
     eager, captured = on_stream_and_captured(kernels, args)
     assert torch.equal(captured, eager)
     assert torch.equal(eager.transpose(1, 2).reshape(bh, p.m, d).cpu(), got)
+    shuffled = SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, p.col_idx,
+                      p.row_order[torch.randperm(rows, generator=g)].contiguous(), p.shuffled)
+    assert torch.equal(run_both(kernels, shuffled, inputs, v, d**-0.5, qk_bits, p_bits)[0], got)
 
 
 def test_rasterization_windows_and_row_groups(kernels):
