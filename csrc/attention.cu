@@ -2,11 +2,13 @@
 // (attention_kernel.cuh), with the pipeline's roundings.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "attention_kernel.cuh"
 #include "check.cuh"
@@ -19,6 +21,7 @@ using magicube::attention_detail::kHalf;
 using magicube::attention_detail::kInt16;
 using magicube::attention_detail::kInt4;
 using magicube::attention_detail::kInt8;
+using magicube::attention_detail::kSlots;
 using magicube::attention_detail::kThreads;
 using magicube::attention_detail::kWarps;
 
@@ -49,13 +52,12 @@ at::Tensor aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
 }
 
+// The dynamic shared memory an instantiation may take, its attribute set once per device, so that
+// a launch inside a graph capture makes no other call. The opt-in limit covers static and dynamic
+// shared memory together.
 template <int OP, int PB, int D, int DV, bool SPLIT>
-void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream) {
-  using C = Cfg<OP, PB, D, DV>;
+int max_dynamic_smem(const cudaDeviceProp* prop) {
   auto kernel = magicube::attention_detail::attention_kernel<OP, PB, D, DV, SPLIT>;
-  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  // Once per device and instantiation, so that a launch inside a graph capture makes no other call.
-  // The opt-in limit covers static and dynamic shared memory together.
   static int dynamic_limit[256] = {};
   const int device = c10::cuda::current_device();
   MAGICUBE_CHECK(device < 256, "sparse_attention: device index ", device, " out of range");
@@ -66,7 +68,33 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
     dynamic_limit[device] = limit;
   }
-  const int max_smem = dynamic_limit[device];
+  return dynamic_limit[device];
+}
+
+// The kernel over `groups` row groups of every batch x head, rasterized in windows of batch x heads
+// (the kernel's comment): as many as keep their keys and values within a third of L2. On an H100
+// (50 MB L2, B 8, H 4, L 4096, sparsity 0.9), all 32 batch x heads of 8-bit inputs (16 MB) together
+// took 148 us against 158 one after the other, and 64 together 479 against 305 for 32; fp16 (1 MB
+// each) 331 us for 32 together, 292 for 16. A launch covers at most 65535 row groups.
+template <int OP, int PB, int D, int DV, bool SPLIT>
+void rasterized(Params p, int64_t groups, int64_t bh, int smem, const cudaDeviceProp* prop, cudaStream_t stream) {
+  using C = Cfg<OP, PB, D, DV>;
+  const int64_t per_bh = static_cast<int64_t>(p.n) * (C::kKeyBytes + C::kValBytes);
+  const int64_t window = std::clamp<int64_t>(prop->l2CacheSize / 3 / std::max<int64_t>(per_bh, 1), 1, bh);
+  for (int64_t g0 = 0; g0 < groups; g0 += 65535) {
+    p.group0 = static_cast<int>(g0);
+    const dim3 grid(static_cast<unsigned>(window), static_cast<unsigned>(std::min<int64_t>(groups - g0, 65535)),
+                    static_cast<unsigned>((bh + window - 1) / window));
+    magicube::attention_detail::attention_kernel<OP, PB, D, DV, SPLIT><<<grid, kThreads, smem, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+template <int OP, int PB, int D, int DV, bool SPLIT>
+void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream) {
+  using C = Cfg<OP, PB, D, DV>;
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  const int max_smem = max_dynamic_smem<OP, PB, D, DV, SPLIT>(prop);
   // Score cache: the blocks a warp gets from a row of mean length (every row, for the balanced
   // masks of the paper). Longer rows recompute their last blocks' scores. Whole rows take a cache
   // that leaves room for 4 CTAs (16 warps) per SM where a mean row's fits, else 3; split rows as
@@ -98,20 +126,39 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
   MAGICUBE_CHECK(smem <= max_smem, "sparse_attention: needs ", smem,
                  " bytes of shared memory per block, the device has ", max_smem);
   p.cached = static_cast<int>(cached);
-  // Batch x heads per rasterization window (the kernel's comment): as many as keep their keys and
-  // values within a third of L2. On an H100 (50 MB L2, B 8, H 4, L 4096, sparsity 0.9), all 32
-  // batch x heads of 8-bit inputs (16 MB) together took 148 us against 158 one after the other,
-  // and 64 together 479 against 305 for 32; fp16 (1 MB each) 331 us for 32 together, 292 for 16.
-  const int64_t per_bh = static_cast<int64_t>(p.n) * (C::kKeyBytes + C::kValBytes);
-  const int64_t window = std::clamp<int64_t>(prop->l2CacheSize / 3 / std::max<int64_t>(per_bh, 1), 1, bh);
-  const int64_t groups = SPLIT ? vrows : (vrows + kWarps - 1) / kWarps;
-  for (int64_t g0 = 0; g0 < groups; g0 += 65535) {
-    p.group0 = static_cast<int>(g0);
-    const dim3 grid(static_cast<unsigned>(window), static_cast<unsigned>(std::min<int64_t>(groups - g0, 65535)),
-                    static_cast<unsigned>((bh + window - 1) / window));
-    kernel<<<grid, kThreads, smem, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if constexpr (!SPLIT) {
+    // A row keeping more than 8 mean rows' worth of slots (a global token's row) would be the
+    // kernel's tail on one warp: the split kernel takes those rows, one CTA a row on a
+    // high-priority side stream so that they start first and run beside the rest. There are at
+    // most `candidates` of them, since each holds more than long_slots of the nnz_pad slots, and a
+    // row_order that descends in length (as SRBCRS.from_mask builds it) puts them first: the side
+    // launch has one CTA for each of the first `candidates` positions, and takes the long rows
+    // there, which the whole-row launch skips. Long rows further back in another order stay on a
+    // warp, slower but exact. H100, B 8, H 4, L 4096, window 32 + CLS row and column + random
+    // fill (the CLS row alone has 128 blocks, 8 to 18 times the others), 8b-8b: 206-209 -> 149 us
+    // at sparsity 0.9 (the random mask's time), 201 -> 92 us at 0.95; fp16 501 -> 295 us at 0.9.
+    // A mask without long rows pays for the side launch's idle CTAs: random 149.0 -> 150.5 us.
+    const int64_t long_slots = 8 * mean_blocks * kSlots;
+    const int64_t candidates = std::min<int64_t>(vrows, nnz_pad / (long_slots + 1));
+    if (candidates > 0 && long_slots < INT32_MAX) {
+      const int split_smem = max_dynamic_smem<OP, PB, D, DV, true>(prop);
+      MAGICUBE_CHECK(smem <= split_smem, "sparse_attention: needs ", smem,
+                     " bytes of shared memory per block for the long rows, the device has ", split_smem);
+      p.long_rows = static_cast<int>(candidates);
+      p.long_count = static_cast<int>(long_slots);
+      const at::cuda::CUDAStream main = at::cuda::getCurrentCUDAStream();
+      const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(/*isHighPriority=*/true, main.device_index());
+      at::cuda::CUDAEvent fork, join;
+      fork.record(main);
+      fork.block(side);
+      rasterized<OP, PB, D, DV, true>(p, candidates, bh, smem, prop, side.stream());
+      join.record(side);
+      rasterized<OP, PB, D, DV, false>(p, (vrows + kWarps - 1) / kWarps, bh, smem, prop, stream);
+      join.block(main);
+      return;
+    }
   }
+  rasterized<OP, PB, D, DV, SPLIT>(p, SPLIT ? vrows : (vrows + kWarps - 1) / kWarps, bh, smem, prop, stream);
 }
 
 // One head dim for query/key and value: every (d, dv) pair would triple the instantiations (and

@@ -88,6 +88,11 @@ struct Params {
   int bh, m, n, v;
   int cached;              // blocks per warp whose scores stay in shared memory
   int group0;              // the launch's first row group (the kernel's comment)
+  // Long rows (csrc/attention.cu): the rows at positions below long_rows of row_order that keep
+  // more than long_count slots are the split launch's with long_rows > 0 (one CTA a position), and
+  // the whole-row launch skips them; 0 for a launch that takes every row it is given.
+  int long_rows = 0;
+  int long_count = 0;
   float softmax_scale;
 };
 
@@ -238,6 +243,8 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   const int v = p.v;
   const int start = p.row_ptr[2 * vrow];
   const int count = p.row_ptr[2 * vrow + 1] - start;
+  // Uniform in the CTA when SPLIT: its warps read the same row.
+  if (order_pos < p.long_rows && (count > p.long_count) != SPLIT) return;  // the other launch's row
   const int nb = (count + kSlots - 1) / kSlots;
   // This warp's blocks: block (SPLIT ? warp : 0) + j * kBlockStride for j < nbw.
   constexpr int kBlockStride = SPLIT ? kWarps : 1;

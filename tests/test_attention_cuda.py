@@ -282,9 +282,12 @@ def test_split_rows(kernels, p_bits, qk_bits, n):
 
 @pytest.mark.parametrize("p_bits, qk_bits", PAIRS, ids=PAIR_IDS)
 def test_global_rows(kernels, p_bits, qk_bits):
-    """Global tokens: 400 vector rows of density 0.01, 20 of them full (64 blocks against one,
-    most past the score cache), one empty; the same result from a CUDA graph, and with row_order
-    shuffled (a permutation of any order is a valid pattern: the order only balances load)."""
+    """Global tokens: 400 vector rows of density 0.01, 20 of them full (64 blocks against a mean of
+    5: past 8 mean rows, so the split kernel takes them, one CTA a row, beside the whole-row
+    kernel), one empty; the same result from a CUDA graph (the side stream's fork and join
+    captured). A shuffled and a reversed row_order put long rows past the positions the split
+    launch looks at (a permutation of any order is a valid pattern: the order only balances
+    load), where a warp takes them: still within the bound of the reference."""
     bh, rows, n, v, d = 3, 400, 2048, 8, 64
     g = torch.Generator().manual_seed(31)
     mask = torch.rand(rows, n, generator=g) < 0.01
@@ -299,9 +302,10 @@ def test_global_rows(kernels, p_bits, qk_bits):
     eager, captured = on_stream_and_captured(kernels, args)
     assert torch.equal(captured, eager)
     assert torch.equal(eager.transpose(1, 2).reshape(bh, p.m, d).cpu(), got)
-    shuffled = SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, p.col_idx,
-                      p.row_order[torch.randperm(rows, generator=g)].contiguous(), p.shuffled)
-    assert torch.equal(run_both(kernels, shuffled, inputs, v, d**-0.5, qk_bits, p_bits)[0], got)
+    for name, order in (("shuffled", p.row_order[torch.randperm(rows, generator=g)]), ("reversed", p.row_order.flip(0))):
+        other = SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, p.col_idx, order.contiguous(), p.shuffled)
+        got = run_both(kernels, other, inputs, v, d**-0.5, qk_bits, p_bits)[0]
+        check(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, f"global rows, {name} row_order")
 
 
 def test_rasterization_windows_and_row_groups(kernels):
