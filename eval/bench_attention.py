@@ -1,9 +1,12 @@
 """Attention-core benchmark: the fused sparse attention kernel against dense and unfused baselines.
 
-    python -m magicube.eval.bench_attention [--quick] [--out DIR]
+    python -m magicube.eval.bench_attention [--quick] [--mask structured] [--out DIR]
 
 One attention layer's core, out = softmax(Q K^T / sqrt(d)) V, for Q, K, V of [B*H, L, 64] in fp16
-(views of one projection output [B, L, 3, H, 64], as the layer has them), with a vector-sparse mask (V = 8, every vector row keeps the same count). Rows, side by side:
+(views of one projection output [B, L, 3, H, 64], as the layer has them), with a vector-sparse mask
+of V = 8: random (the paper's; every vector row keeps the same count) or structured (a window of
+32 tokens each side, a global CLS row and column, random fill: one row keeps every key). Rows,
+side by side:
 
 - dense: PyTorch materialized fp16 softmax(QK^T)V, SDPA (flash) fp16 on [B, H, L, d], SDPA with an
   additive -inf mask of the same sparsity (the dense way to run the sparse model);
@@ -34,11 +37,12 @@ import torch.nn.functional as F
 
 from magicube.eval.timing import cuda_time, device_slug, environment, kernel_bench_args, save_json
 from magicube.model.lra import quantize_qkv
-from magicube.ops import SRBCRS, extension, random_vector_mask
+from magicube.model.masks import KINDS, layer_mask
+from magicube.ops import SRBCRS, extension
 
 FULL = dict(b=[2, 8], h=[4, 8], seq=[4096, 8192], sparsity=[0.9, 0.95])
 QUICK = dict(b=[8], h=[4], seq=[4096], sparsity=[0.9, 0.95])
-TARGET = dict(b=8, h=4, seq=4096, sparsity=0.9, method="fused 8b-8b", qk_bits=8)
+TARGET = dict(b=8, h=4, seq=4096, sparsity=0.9, mask="random", method="fused 8b-8b", qk_bits=8)
 D, V = 64, 8
 QUANT = [(8, 8), (16, 8), (8, 4)]  # (probability bits, Q/K/V bits)
 REF_HEADS = 2  # heads compared with the fp32 reference
@@ -61,7 +65,7 @@ def gathered_bytes(bh: int, seq: int, density: float, d: int, bits: int) -> floa
     return bh * seq * seq * density / V * 2 * d * bits / 8
 
 
-def run_config(b, h, seq, sparsity, reps, pipeline, log):
+def run_config(b, h, seq, sparsity, mask_kind, reps, pipeline, log):
     ops = torch.ops.magicube_cuda
     dev = "cuda"
     bh = b * h
@@ -69,7 +73,7 @@ def run_config(b, h, seq, sparsity, reps, pipeline, log):
     qkv = torch.randn(b, seq, 3, h, D, device=dev, generator=g, dtype=torch.float16).permute(2, 0, 3, 1, 4)
     q, k, v = (x.reshape(bh, seq, D) for x in qkv)  # contiguous copies for the fp16 rows
     scale = D ** -0.5
-    mask = random_vector_mask(seq, seq, V, sparsity, seed=1)
+    mask = layer_mask(mask_kind, seq, V, sparsity, seed=1)
     pat = SRBCRS.from_mask(mask, stride=32).to(dev)
     emask = mask.to_dense().to(dev)  # [L, L] bool
     density = float(mask.mask.float().mean())
@@ -83,7 +87,7 @@ def run_config(b, h, seq, sparsity, reps, pipeline, log):
     del s
 
     records = []
-    base = dict(b=b, h=h, seq=seq, d=D, v=V, sparsity=sparsity, density=density)
+    base = dict(b=b, h=h, seq=seq, d=D, v=V, sparsity=sparsity, mask=mask_kind, density=density)
 
     def add(method, fn, ref, quant_ms=0.0, kind="sparse", gather_bits=None):
         err = rel_err(fn(), ref)
@@ -97,7 +101,7 @@ def run_config(b, h, seq, sparsity, reps, pipeline, log):
         torch.cuda.empty_cache()
         return rec
 
-    log(f"B={b} H={h} L={seq} sparsity={sparsity} (density {density:.3f})")
+    log(f"B={b} H={h} L={seq} sparsity={sparsity}, {mask_kind} mask (density {density:.3f})")
     mat_reps = max(5, reps // 5)
 
     def materialized():
@@ -157,7 +161,7 @@ def run_config(b, h, seq, sparsity, reps, pipeline, log):
 
 def summarize(records):
     out = {}
-    t = [r for r in records if all(r[key] == TARGET[key] for key in ("b", "h", "seq", "sparsity"))]
+    t = [r for r in records if all(r[key] == TARGET[key] for key in ("b", "h", "seq", "sparsity", "mask"))]
     by = {r["method"]: r for r in t}
     if TARGET["method"] in by:
         r = by[TARGET["method"]]
@@ -208,8 +212,12 @@ def plot(records, path: Path, title: str):
 
 
 def main(argv=None) -> int:
+    def mask_option(ap):
+        ap.add_argument("--mask", choices=KINDS, default="random",
+                        help="the vector-sparse mask (default: random, the paper's and the target's)")
+
     args = kernel_bench_args("bench_attention", __doc__, argv, quick="B=8, H=4, L=4096 only (the target shape)",
-                             reps=50)
+                             reps=50, extra=mask_option)
     if args is None:
         return 2
     extension.load("attention")
@@ -228,14 +236,16 @@ def main(argv=None) -> int:
         for h in cfg["h"]:
             for seq in cfg["seq"]:
                 for sp in cfg["sparsity"]:
-                    records += run_config(b, h, seq, sp, args.reps, pipeline, log=lambda s: print(s, flush=True))
+                    records += run_config(b, h, seq, sp, args.mask, args.reps, pipeline,
+                                          log=lambda s: print(s, flush=True))
     summary = summarize(records)
     print("summary:", summary)
     out = Path(args.out)
-    name = f"attention{'_quick' if args.quick else ''}_{device_slug(env)}"
-    save_json(out / f"{name}.json", dict(environment=env, config=cfg, quick=args.quick, summary=summary,
-                                         records=records))
-    plot(records, out / f"{name}.png", f"Attention core, d={D}, V={V} on {env.get('device')} "
+    mask = "" if args.mask == "random" else f"_{args.mask}"
+    name = f"attention{'_quick' if args.quick else ''}{mask}_{device_slug(env)}"
+    save_json(out / f"{name}.json", dict(environment=env, config=cfg, quick=args.quick, mask=args.mask,
+                                         summary=summary, records=records))
+    plot(records, out / f"{name}.png", f"Attention core, d={D}, V={V}, {args.mask} mask on {env.get('device')} "
                                        "(dashed: SDPA flash fp16)")
     print(f"wrote {out / (name + '.json')} and .png")
     return 0

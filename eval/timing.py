@@ -147,13 +147,17 @@ def save_json(path, obj) -> Path:
     return path
 
 
-def kernel_bench_args(module: str, doc: str, argv, *, quick: str, reps: int, reps_help: str | None = None):
-    """The kernel benchmarks' command line (--quick, --out, --reps), or None where there is no CUDA
-    device to time on (said on stderr): `python -m magicube.eval.<module>`."""
+def kernel_bench_args(module: str, doc: str, argv, *, quick: str, reps: int, reps_help: str | None = None,
+                      extra=None):
+    """The kernel benchmarks' command line (--quick, --out, --reps, and what `extra(parser)` adds),
+    or None where there is no CUDA device to time on (said on stderr):
+    `python -m magicube.eval.<module>`."""
     ap = argparse.ArgumentParser(prog=f"python -m magicube.eval.{module}", description=doc.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=quick)
     ap.add_argument("--out", default="eval/results", help="directory for the JSON and the plot")
     ap.add_argument("--reps", type=int, default=reps, help=reps_help)
+    if extra is not None:
+        extra(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print(f"{module}: needs a CUDA device (the kernels it times run on the GPU only)", file=sys.stderr)

@@ -21,6 +21,10 @@ def test_kernel_benchmarks_reject_unknown_options(capsys):
         bench_spmm.main(["--quik"])
     assert exit_.value.code == 2
     assert "python -m magicube.eval.bench_spmm" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        bench_attention.main(["--mask", "banded"])
+    assert exit_.value.code == 2
+    assert "--mask: invalid choice: 'banded'" in capsys.readouterr().err
 
 
 def test_device_slug_names_the_device():
@@ -71,7 +75,8 @@ def test_spmm_summary_reports_the_targets_gather_rate():
 
 def test_attention_summary_reports_the_targets_gather_rate():
     t = bench_attention.TARGET
-    base = dict(b=t["b"], h=t["h"], seq=t["seq"], d=64, v=8, sparsity=t["sparsity"], density=410 / 4096)
+    base = dict(b=t["b"], h=t["h"], seq=t["seq"], d=64, v=8, sparsity=t["sparsity"], mask=t["mask"],
+                density=410 / 4096)
     # 32 batch x heads x 512 vector rows x 410 kept slots, a 64-byte key row and value row each.
     gathered = bench_attention.gathered_bytes(32, 4096, 410 / 4096, 64, 8)
     assert gathered == 32 * 512 * 410 * 128
@@ -85,3 +90,5 @@ def test_attention_summary_reports_the_targets_gather_rate():
     assert abs(target["gathered_mb"] - 859.83232) < 1e-9
     assert abs(target["gather_tbs"] - 5.63) < 0.01
     assert abs(target["speedup_vs_flash_kernel_only"] - 0.29 / 0.1526) < 1e-12
+    # The target is the random mask's: a run on another mask reports none.
+    assert "target" not in bench_attention.summarize([dict(r, mask="structured") for r in records])
