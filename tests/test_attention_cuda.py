@@ -283,11 +283,11 @@ def test_split_rows(kernels, p_bits, qk_bits, n):
 @pytest.mark.parametrize("p_bits, qk_bits", PAIRS, ids=PAIR_IDS)
 def test_global_rows(kernels, p_bits, qk_bits):
     """Global tokens: 400 vector rows of density 0.01, 20 of them full (64 blocks against a mean of
-    5: past 8 mean rows, so the split kernel takes them, one CTA a row, beside the whole-row
-    kernel), one empty; the same result from a CUDA graph (the side stream's fork and join
-    captured). A shuffled and a reversed row_order put long rows past the positions the split
-    launch looks at (a permutation of any order is a valid pattern: the order only balances
-    load), where a warp takes them: still within the bound of the reference."""
+    5: past 8 mean rows, so split CTAs take them, one a row, on a side stream beside the whole-row
+    kernel), one empty; the same result from a CUDA graph (the fork and join captured). A shuffled
+    and a reversed row_order put long rows past the positions the split CTAs look at (a
+    permutation of any order is a valid pattern: the order only balances load), where a warp
+    takes them: still within the bound of the reference."""
     bh, rows, n, v, d = 3, 400, 2048, 8, 64
     g = torch.Generator().manual_seed(31)
     mask = torch.rand(rows, n, generator=g) < 0.01
@@ -306,6 +306,23 @@ def test_global_rows(kernels, p_bits, qk_bits):
         other = SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, p.col_idx, order.contiguous(), p.shuffled)
         got = run_both(kernels, other, inputs, v, d**-0.5, qk_bits, p_bits)[0]
         check(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, f"global rows, {name} row_order")
+
+
+def test_global_rows_across_windows(kernels):
+    """Long rows with more batch x heads than one rasterization window: both launches, split and
+    whole rows, cover the second window. 200 vector rows, 10 full; BH one past a window of 8-bit
+    keys and values (N x 128 bytes each at d 64)."""
+    v, d, n, rows = 8, 64, 2048, 200
+    window = torch.cuda.get_device_properties(0).L2_cache_size // 3 // (n * 2 * d)
+    bh = window + 1
+    g = torch.Generator().manual_seed(41)
+    mask = torch.rand(rows, n, generator=g) < 0.01
+    mask[3::20] = True
+    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
+    inputs = make_inputs(bh, p.m, n, d, 8, 8, g, per_head=True)
+    got, want = run_both(kernels, p, inputs, v, d**-0.5, 8, 8)
+    check_quantized(p, VectorMask(mask, v).to_dense(), inputs, got, want, v, d**-0.5, 8, 8,
+                    f"global rows, BH = {bh}, one past a window of {window}")
 
 
 def test_rasterization_windows_and_row_groups(kernels):
