@@ -91,7 +91,7 @@ void rasterized(Params p, int64_t groups, int64_t bh, int smem, const cudaDevice
 }
 
 template <int OP, int PB, int D, int DV, bool SPLIT>
-void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream) {
+void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, int64_t longest_row, cudaStream_t stream) {
   using C = Cfg<OP, PB, D, DV>;
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   const int max_smem = max_dynamic_smem<OP, PB, D, DV, SPLIT>(prop);
@@ -119,7 +119,7 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
     // Whole rows pay off only with every block of a mean row cached: a recomputed block gathers
     // its key tile twice (three times with fp16 probabilities).
     if (cached > room) room = fit(per_sm(3));
-    if (cached > room) return launch<OP, PB, D, DV, true>(p, vrows, bh, nnz_pad, stream);
+    if (cached > room) return launch<OP, PB, D, DV, true>(p, vrows, bh, nnz_pad, longest_row, stream);
   }
   cached = std::max<int64_t>(1, std::min<int64_t>(cached, room));
   const int smem = C::smem_bytes(static_cast<int>(cached));
@@ -137,10 +137,12 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
     // warp, slower but exact. H100, B 8, H 4, L 4096, window 32 + CLS row and column + random
     // fill (the CLS row alone has 128 blocks, 8 to 18 times the others), 8b-8b: 206-209 -> 149 us
     // at sparsity 0.9 (the random mask's time), 201 -> 92 us at 0.95; fp16 501 -> 295 us at 0.9.
-    // A mask without long rows pays for the side launch's idle CTAs: random 149.0 -> 150.5 us.
+    // A mask without long rows would pay for the side launch's CTAs, which all return at once
+    // (random mask: 149.0 -> 150.5 us); longest_row (SRBCRS.longest_row, -1 if not known) spares
+    // it that.
     const int64_t long_slots = 8 * mean_blocks * kSlots;
     const int64_t candidates = std::min<int64_t>(vrows, nnz_pad / (long_slots + 1));
-    if (candidates > 0 && long_slots < INT32_MAX) {
+    if (candidates > 0 && long_slots < INT32_MAX && (longest_row < 0 || longest_row > long_slots)) {
       const int split_smem = max_dynamic_smem<OP, PB, D, DV, true>(prop);
       MAGICUBE_CHECK(smem <= split_smem, "sparse_attention: needs ", smem,
                      " bytes of shared memory per block for the long rows, the device has ", split_smem);
@@ -164,11 +166,12 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t s
 // One head dim for query/key and value: every (d, dv) pair would triple the instantiations (and
 // the build) for shapes attention layers do not use.
 template <int OP, int PB, bool SPLIT>
-void dispatch_dims(const Params& p, int64_t d, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream) {
+void dispatch_dims(const Params& p, int64_t d, int64_t vrows, int64_t bh, int64_t nnz_pad, int64_t longest_row,
+                   cudaStream_t stream) {
   switch (d) {
-    case 32: launch<OP, PB, 32, 32, SPLIT>(p, vrows, bh, nnz_pad, stream); break;
-    case 64: launch<OP, PB, 64, 64, SPLIT>(p, vrows, bh, nnz_pad, stream); break;
-    default: launch<OP, PB, 128, 128, SPLIT>(p, vrows, bh, nnz_pad, stream); break;
+    case 32: launch<OP, PB, 32, 32, SPLIT>(p, vrows, bh, nnz_pad, longest_row, stream); break;
+    case 64: launch<OP, PB, 64, 64, SPLIT>(p, vrows, bh, nnz_pad, longest_row, stream); break;
+    default: launch<OP, PB, 128, 128, SPLIT>(p, vrows, bh, nnz_pad, longest_row, stream); break;
   }
 }
 
@@ -176,16 +179,16 @@ void dispatch_dims(const Params& p, int64_t d, int64_t vrows, int64_t bh, int64_
 // whole mean row does not fit in the score cache.
 template <int OP, int PB>
 void dispatch_layout(const Params& p, bool split, int64_t d, int64_t vrows, int64_t bh, int64_t nnz_pad,
-                     cudaStream_t stream) {
-  if (split) dispatch_dims<OP, PB, true>(p, d, vrows, bh, nnz_pad, stream);
-  else dispatch_dims<OP, PB, false>(p, d, vrows, bh, nnz_pad, stream);
+                     int64_t longest_row, cudaStream_t stream) {
+  if (split) dispatch_dims<OP, PB, true>(p, d, vrows, bh, nnz_pad, longest_row, stream);
+  else dispatch_dims<OP, PB, false>(p, d, vrows, bh, nnz_pad, longest_row, stream);
 }
 
 at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order,
                                  const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
                                  const std::optional<at::Tensor>& scale_q, const std::optional<at::Tensor>& scale_k,
                                  const std::optional<at::Tensor>& scale_v, int64_t v, double softmax_scale,
-                                 int64_t qk_bits, int64_t p_bits, int64_t heads) {
+                                 int64_t qk_bits, int64_t p_bits, int64_t heads, int64_t longest_row) {
   const at::Device device = query_in.device();
   check_cuda_tensor(query_in, "query", device);
   const c10::cuda::CUDAGuard guard(device);
@@ -252,6 +255,8 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
   MAGICUBE_CHECK(bh <= 65535 && vrows <= INT32_MAX && n < INT32_MAX && m < INT32_MAX,
               "sparse_attention: BH must be <= 65535 and M, N < 2^31");
   MAGICUBE_CHECK(heads >= 1 && bh % heads == 0, "sparse_attention: heads must divide BH = ", bh, ", got ", heads);
+  MAGICUBE_CHECK(longest_row >= -1, "sparse_attention: longest_row must be -1 (not known) or the most vectors a ",
+                 "vector row keeps, got ", longest_row);
   Params p{};  // fp16 inputs leave the scales null
   bool split = false;
   if (op != kHalf) {
@@ -299,16 +304,16 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t nnz_pad = col_idx.numel();
   if (op == kHalf) {
-    dispatch_layout<kHalf, 0>(p, split, d, vrows, bh, nnz_pad, stream);
+    dispatch_layout<kHalf, 0>(p, split, d, vrows, bh, nnz_pad, longest_row, stream);
   } else if (op == kInt8) {
-    if (p_bits == 8) dispatch_layout<kInt8, 8>(p, split, d, vrows, bh, nnz_pad, stream);
-    else dispatch_layout<kInt8, 16>(p, split, d, vrows, bh, nnz_pad, stream);
+    if (p_bits == 8) dispatch_layout<kInt8, 8>(p, split, d, vrows, bh, nnz_pad, longest_row, stream);
+    else dispatch_layout<kInt8, 16>(p, split, d, vrows, bh, nnz_pad, longest_row, stream);
   } else if (op == kInt4) {
-    if (p_bits == 4) dispatch_layout<kInt4, 4>(p, split, d, vrows, bh, nnz_pad, stream);
-    else if (p_bits == 8) dispatch_layout<kInt4, 8>(p, split, d, vrows, bh, nnz_pad, stream);
-    else dispatch_layout<kInt4, 16>(p, split, d, vrows, bh, nnz_pad, stream);
+    if (p_bits == 4) dispatch_layout<kInt4, 4>(p, split, d, vrows, bh, nnz_pad, longest_row, stream);
+    else if (p_bits == 8) dispatch_layout<kInt4, 8>(p, split, d, vrows, bh, nnz_pad, longest_row, stream);
+    else dispatch_layout<kInt4, 16>(p, split, d, vrows, bh, nnz_pad, longest_row, stream);
   } else {
-    dispatch_layout<kInt16, 16>(p, split, d, vrows, bh, nnz_pad, stream);
+    dispatch_layout<kInt16, 16>(p, split, d, vrows, bh, nnz_pad, longest_row, stream);
   }
   return out;
 }
@@ -319,7 +324,7 @@ TORCH_LIBRARY_FRAGMENT(magicube_cuda, m) {
   m.def(
       "sparse_attention(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor query, Tensor key, Tensor value, "
       "Tensor? scale_q, Tensor? scale_k, Tensor? scale_v, int v, float softmax_scale, int qk_bits, int p_bits, "
-      "int heads) "
+      "int heads, int longest_row=-1) "
       "-> Tensor");
 }
 

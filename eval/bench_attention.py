@@ -128,7 +128,8 @@ def run_config(b, h, seq, sparsity, mask_kind, reps, pipeline, log):
 
     if pipeline:
         add("pipeline fp16", pipeline_fp16, ref_sparse)
-    add("fused fp16", lambda: ops.sparse_attention(*pattern, q, k, v, None, None, None, V, scale, 16, 0, h), ref_sparse,
+    add("fused fp16", lambda: ops.sparse_attention(*pattern, q, k, v, None, None, None, V, scale, 16, 0, h,
+                                                   pat.longest_row), ref_sparse,
         gather_bits=16)
 
     for p_bits, qk_bits in QUANT:
@@ -150,7 +151,8 @@ def run_config(b, h, seq, sparsity, mask_kind, reps, pipeline, log):
         if pipeline:
             add(f"pipeline {label}", three_ops, ref_sparse, quant_ms)
         add(f"fused {label}", lambda qq=qq, kq=kq, vq=vq, sq=sq, sk=sk, sv=sv, p_bits=p_bits, qk_bits=qk_bits:
-            ops.sparse_attention(*pattern, qq, kq, vq, sq, sk, sv, V, scale, qk_bits, p_bits, h), ref_sparse, quant_ms,
+            ops.sparse_attention(*pattern, qq, kq, vq, sq, sk, sv, V, scale, qk_bits, p_bits, h, pat.longest_row),
+            ref_sparse, quant_ms,
             gather_bits=qk_bits)
         del qq, kq, vq, sq, sk, sv, scales
     flash = next(r["total_ms"] for r in records if r["method"] == "SDPA flash fp16")

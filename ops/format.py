@@ -13,7 +13,7 @@ the values carry the leading batch dimension.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -112,6 +112,8 @@ class SRBCRS:
                in slots.
     col_idx:   int32 [nnz_pad], kept columns ascending (or int4-shuffled), -1 for padding.
     row_order: int32 [M/V], vector rows by decreasing padded length, for load balance.
+    longest_row: the most vectors a vector row keeps (derived), which lets a kernel know without
+               reading the pattern on the GPU whether any row is long enough to need other work.
     """
 
     m: int
@@ -122,6 +124,7 @@ class SRBCRS:
     col_idx: torch.Tensor
     row_order: torch.Tensor
     shuffled: bool = False
+    longest_row: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         """Validate the index arrays once, so that kernels never index through a bad entry."""
@@ -150,6 +153,7 @@ class SRBCRS:
                              f"[{int(self.col_idx.min())}, {int(self.col_idx.max())}]")
         if not torch.equal(torch.sort(self.row_order.long()).values, torch.arange(rows, device=self.row_order.device)):
             raise ValueError(f"row_order: expected a permutation of the {rows} vector rows")
+        object.__setattr__(self, "longest_row", int((ends - starts).max()) if rows else 0)
 
     @classmethod
     def from_mask(cls, mask: VectorMask, stride: int = 32, shuffle: bool = False) -> "SRBCRS":

@@ -114,7 +114,7 @@ def sparse_attention(pattern: SRBCRS, query: torch.Tensor, key: torch.Tensor, va
                   for s, n, name in ((scale_q, p.m, "scale_q"), (scale_k, p.k, "scale_k"), (scale_v, dv, "scale_v")))
     out = _ops.sparse_attention(p.row_ptr, p.col_idx, p.row_order, query.contiguous(), key.contiguous(),
                                 value.contiguous(), sq, sk, sv, p.v, float(softmax_scale), qk_bits, p_bits,
-                                1 if heads is None else heads)
+                                1 if heads is None else heads, p.longest_row)
     return out.view(bh, p.m, dv) if heads is None else out
 
 

@@ -36,9 +36,11 @@ SCHEMAS = {
     # scores, quantized probabilities), so that a fused kernel computes the same function. Scales
     # of any strides (an expanded per-(batch x head) scale is read in place); the output is
     # [BH / heads, M, heads, dv] with bh = b * heads + h, which views as [B, M, heads * dv].
+    # longest_row: SRBCRS.longest_row, or -1 if not known; a hint that spares a kernel work for
+    # long rows where there are none (any value gives the same function).
     "sparse_attention": "sparse_attention(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor query, "
                         "Tensor key, Tensor value, Tensor? scale_q, Tensor? scale_k, Tensor? scale_v, int v, "
-                        "float softmax_scale, int qk_bits, int p_bits, int heads) -> Tensor",
+                        "float softmax_scale, int qk_bits, int p_bits, int heads, int longest_row=-1) -> Tensor",
     # The Q/K/V projection quantized where it is computed: x [B, T, E] fp16, weight [3E, E],
     # bias [3E] or None, scale [3, heads] (Q/K/V x head) -> the containers of `bits`,
     # [3, B * heads, T, E / heads] (int4 packed): quantize(fp16(x @ weight^T + bias), scale).
@@ -161,7 +163,10 @@ def check_sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits
     return values.shape[0], row_ptr.numel() // 2 * v
 
 def check_sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale_q, scale_k, scale_v, v,
-                           softmax_scale, qk_bits, p_bits, heads):
+                           softmax_scale, qk_bits, p_bits, heads, longest_row=-1):
+    if not isinstance(longest_row, int) or longest_row < -1:
+        raise ValueError(f"longest_row: expected -1 (not known) or the most vectors a vector row keeps, "
+                         f"got {longest_row!r}")
     quantized = isinstance(query, torch.Tensor) and query.dtype != torch.float16
     check_sddmm(row_ptr, col_idx, row_order, query, key, scale_q, scale_k, v, qk_bits, torch.float16,
                 contiguous_scales=False)
@@ -304,9 +309,9 @@ def _sparse_softmax_fake(row_ptr, col_idx, row_order, values, v, scale, out_bits
 
 @torch.library.register_fake(f"{NAMESPACE}::sparse_attention")
 def _sparse_attention_fake(row_ptr, col_idx, row_order, query, key, value, scale_q, scale_k, scale_v, v,
-                           softmax_scale, qk_bits, p_bits, heads):
+                           softmax_scale, qk_bits, p_bits, heads, longest_row=-1):
     bh, m, dv = check_sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale_q, scale_k, scale_v,
-                                       v, softmax_scale, qk_bits, p_bits, heads)
+                                       v, softmax_scale, qk_bits, p_bits, heads, longest_row)
     return query.new_empty((bh // heads, m, heads, dv), dtype=torch.float16)
 
 

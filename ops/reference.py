@@ -107,7 +107,8 @@ def sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits):
 
 
 def sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale_q, scale_k, scale_v, v, softmax_scale,
-                     qk_bits, p_bits, heads):
+                     qk_bits, p_bits, heads, longest_row=-1):
+    del longest_row  # a kernel's hint; the function does not depend on it
     pattern = (row_ptr, col_idx, row_order)
     scores = sddmm(*pattern, query, key, scale_q, scale_k, v, qk_bits, torch.float16)
     probs, row_scale = sparse_softmax(*pattern, scores, v, softmax_scale, p_bits)

@@ -302,6 +302,11 @@ def test_global_rows(kernels, p_bits, qk_bits):
     eager, captured = on_stream_and_captured(kernels, args)
     assert torch.equal(captured, eager)
     assert torch.equal(eager.transpose(1, 2).reshape(bh, p.m, d).cpu(), got)
+    # longest_row, a hint: the pattern's own gives the same launch; 0 (wrong) keeps every row on a
+    # warp, still the same function.
+    assert torch.equal(kernels.sparse_attention(*args, p.longest_row).transpose(1, 2).reshape(bh, p.m, d).cpu(), got)
+    on_warps = kernels.sparse_attention(*args, 0).transpose(1, 2).reshape(bh, p.m, d).cpu()
+    check(p, emask, inputs, on_warps, want, v, d**-0.5, qk_bits, p_bits, "global rows, longest_row=0")
     for name, order in (("shuffled", p.row_order[torch.randperm(rows, generator=g)]), ("reversed", p.row_order.flip(0))):
         other = SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, p.col_idx, order.contiguous(), p.shuffled)
         got = run_both(kernels, other, inputs, v, d**-0.5, qk_bits, p_bits)[0]

@@ -70,6 +70,17 @@ def test_empty_and_full_masks():
     assert SRBCRS.from_mask(VectorMask(torch.zeros(3, 20, dtype=torch.bool), 2)).nnz_pad == 0
 
 
+def test_longest_row_is_the_most_vectors_a_row_keeps():
+    mask = torch.zeros(4, 100, dtype=torch.bool)
+    mask[0, :3], mask[2, 10:47] = True, True  # 3 and 37 kept (64 slots padded), two empty rows
+    p = SRBCRS.from_mask(VectorMask(mask, 2), stride=32)
+    assert p.longest_row == 37
+    assert p.to("cpu").longest_row == 37
+    again = SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, p.col_idx, p.row_order.flip(0).contiguous())
+    assert again.longest_row == 37
+    assert SRBCRS.from_mask(VectorMask(torch.zeros(3, 20, dtype=torch.bool), 2)).longest_row == 0
+
+
 def test_mask_from_dense_checks_whole_vectors():
     dense = torch.zeros(8, 5, dtype=torch.bool)
     dense[4:8, 2] = True

@@ -76,6 +76,7 @@ def test_opcheck_sparse_attention(p_bits, qk_bits, heads, expanded):
             scales = (torch.rand(bh, length), torch.rand(bh, length), torch.rand(bh, d))
     args = (p.row_ptr, p.col_idx, p.row_order, q, k, val, *scales, v, d ** -0.5, qk_bits, p_bits, heads)
     torch.library.opcheck(torch.ops.magicube.sparse_attention.default, args)
+    torch.library.opcheck(torch.ops.magicube.sparse_attention.default, (*args, p.longest_row))
 
 
 def test_sparse_attention_rejects_heads_not_dividing_bh():
@@ -85,6 +86,19 @@ def test_sparse_attention_rejects_heads_not_dividing_bh():
     for heads in (4, 0, -2):
         with pytest.raises(ValueError, match=rf"heads: expected a positive divisor of BH = 6 .*got {heads}"):
             torch.ops.magicube.sparse_attention(*args, heads)
+
+
+def test_sparse_attention_longest_row_is_a_hint():
+    """Any longest_row gives the same function; below -1 it is refused by name."""
+    p, _ = problem(2, 4, 16, 4, 0.5, 1)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 16, 8, generator=g).half()
+    args = (p.row_ptr, p.col_idx, p.row_order, q, q, q, None, None, None, 4, 1.0, 16, 0, 1)
+    out = torch.ops.magicube.sparse_attention(*args)
+    for hint in (0, p.longest_row, 10**6):
+        assert torch.equal(torch.ops.magicube.sparse_attention(*args, hint), out)
+    with pytest.raises(ValueError, match=r"longest_row: expected -1 \(not known\) or .*got -2"):
+        torch.ops.magicube.sparse_attention(*args, -2)
 
 
 def test_torch_compile_traces_the_pipeline():
