@@ -2,7 +2,9 @@
 // the dequantization fused into the epilogue.
 //
 // One warp streams every stride block of one vector row, the rows taken
-// through row_order so that a CTA's eight rows have similar lengths. The
+// through row_order so that a CTA's eight rows have similar lengths; a row
+// past 8 mean rows (a global token's) is split over a CTA's 8 warps instead,
+// as it would be the tail on one (sddmm_cuda says which rows). The
 // row's A fragment and scales are loaded once; while a block is multiplied,
 // the next block's B gathers and the column indices of the block after it
 // are already in flight, so the per-block cost is its loads, MMAs and
@@ -22,6 +24,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cuda_fp16.h>
 
@@ -128,11 +131,14 @@ constexpr int ctas_per_sm(int mode, int al) {
   return mode == kInt4 && al == kWholeSteps ? 4 : mode == kInt8 || mode == kInt4 ? 3 : 2;
 }
 
-// Grid (ceil(M/V / 8), BH); warp w of CTA x owns vector row row_order[8x + w].
+// Grid (long_rows + ceil(M/V / 8), BH). CTA x < long_rows takes the vector row
+// at position x of row_order if it keeps more than long_count vectors, its
+// blocks in 8 runs, one a warp; past those, warp w of CTA x owns the row at
+// position 8 (x - long_rows) + w, unless it is one of the former.
 template <int MODE, int AL, typename OutT>
 __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm(MODE, AL))
     sddmm_kernel(const int* __restrict__ row_ptr, const int* __restrict__ col_idx,
-                 const int* __restrict__ row_order, int num_vrows, int num_blocks,
+                 const int* __restrict__ row_order, int long_rows, int long_count, int num_vrows, int num_blocks,
                  int64_t nnz_pad, const uint8_t* __restrict__ a, const uint8_t* __restrict__ b,
                  const float* __restrict__ scale_a, const float* __restrict__ scale_b,
                  OutT* __restrict__ out, int m, int n, int k, int row_bytes_arg, int v) {
@@ -149,16 +155,23 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm(MODE, AL))
 
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int order_pos = blockIdx.x * kWarps + warp;
+  const bool split = static_cast<int>(blockIdx.x) < long_rows;
+  const int order_pos = split ? blockIdx.x : (blockIdx.x - long_rows) * kWarps + warp;
   if (order_pos >= num_vrows) return;
   const int vrow = min(max(__ldg(row_order + order_pos), 0), num_vrows - 1);
   const int start = __ldg(row_ptr + 2 * vrow);
   const int end = __ldg(row_ptr + 2 * vrow + 1);
+  if (order_pos < long_rows && (end - start > long_count) != split) return;  // the other layout's row
   // The row's blocks [start / S, + ceil(count / S)), clipped to the values.
   const int64_t first = start / S;
   const int64_t last = first + (static_cast<int64_t>(end) - start + S - 1) / S;
-  const int lo = static_cast<int>(first < 0 ? 0 : first > num_blocks ? num_blocks : first);
-  const int hi = static_cast<int>(last < lo ? lo : last > num_blocks ? num_blocks : last);
+  int lo = static_cast<int>(first < 0 ? 0 : first > num_blocks ? num_blocks : first);
+  int hi = static_cast<int>(last < lo ? lo : last > num_blocks ? num_blocks : last);
+  if (split) {  // this warp's run of the row's blocks
+    const int len = (hi - lo + kWarps - 1) / kWarps;
+    lo = min(hi, lo + warp * len);
+    hi = min(hi, lo + len);
+  }
   if (lo >= hi) return;
 
   const int64_t bh = blockIdx.y;
@@ -369,13 +382,13 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm(MODE, AL))
 
 template <int MODE, int AL, typename OutT>
 void launch(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order,
-            int64_t num_vrows, int64_t nnz_pad, int64_t bh, const at::Tensor& a,
-            const at::Tensor& b, const float* sa, const float* sb, at::Tensor& out, int64_t m,
-            int64_t n, int64_t k, int64_t row_bytes, int64_t v) {
-  const dim3 grid(static_cast<unsigned>((num_vrows + kWarps - 1) / kWarps), static_cast<unsigned>(bh));
+            int64_t long_rows, int64_t long_count, int64_t num_vrows, int64_t nnz_pad, int64_t bh,
+            const at::Tensor& a, const at::Tensor& b, const float* sa, const float* sb, at::Tensor& out,
+            int64_t m, int64_t n, int64_t k, int64_t row_bytes, int64_t v) {
+  const dim3 grid(static_cast<unsigned>(long_rows + (num_vrows + kWarps - 1) / kWarps), static_cast<unsigned>(bh));
   sddmm_kernel<MODE, AL, OutT><<<grid, kWarps * 32, 0, at::cuda::getCurrentCUDAStream()>>>(
       row_ptr.data_ptr<int>(), col_idx.data_ptr<int>(), row_order.data_ptr<int>(),
-      static_cast<int>(num_vrows), static_cast<int>(nnz_pad / kStride), nnz_pad,
+      static_cast<int>(long_rows), static_cast<int>(std::min<int64_t>(long_count, INT32_MAX)), static_cast<int>(num_vrows), static_cast<int>(nnz_pad / kStride), nnz_pad,
       static_cast<const uint8_t*>(a.data_ptr()), static_cast<const uint8_t*>(b.data_ptr()), sa, sb,
       static_cast<OutT*>(out.data_ptr()), static_cast<int>(m), static_cast<int>(n),
       static_cast<int>(k), static_cast<int>(row_bytes), static_cast<int>(v));
@@ -397,13 +410,13 @@ int64_t load_unit(int mode, int64_t row_bytes, const at::Tensor& a, const at::Te
 
 template <int MODE, typename OutT>
 void dispatch_unit(int64_t unit, const at::Tensor& row_ptr, const at::Tensor& col_idx,
-                   const at::Tensor& row_order,
+                   const at::Tensor& row_order, int64_t long_rows, int64_t long_count,
                    int64_t num_vrows, int64_t nnz_pad, int64_t bh, const at::Tensor& a,
                    const at::Tensor& b, const float* sa, const float* sb, at::Tensor& out,
                    int64_t m, int64_t n, int64_t k, int64_t row_bytes, int64_t v) {
 #define MAGICUBE_SDDMM_LAUNCH(U)                                                                  \
-  launch<MODE, U, OutT>(row_ptr, col_idx, row_order, num_vrows, nnz_pad, bh, a, b, sa, sb, out, m, n, k, \
-                            row_bytes, v)
+  launch<MODE, U, OutT>(row_ptr, col_idx, row_order, long_rows, long_count, num_vrows, nnz_pad, bh, a, b, sa, \
+                        sb, out, m, n, k, row_bytes, v)
   switch (unit) {
     case kWholeSteps: MAGICUBE_SDDMM_LAUNCH(kWholeSteps); break;
     case 16: MAGICUBE_SDDMM_LAUNCH(16); break;
@@ -418,7 +431,7 @@ at::Tensor sddmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx,
                       const at::Tensor& row_order, const at::Tensor& a, const at::Tensor& b,
                       const std::optional<at::Tensor>& scale_a,
                       const std::optional<at::Tensor>& scale_b, int64_t v, int64_t bits,
-                      at::ScalarType out_dtype) {
+                      at::ScalarType out_dtype, int64_t longest_row) {
   MAGICUBE_CHECK(v == 2 || v == 4 || v == 8, "sddmm: v must be 2, 4 or 8, got ", v);
   MAGICUBE_CHECK(a.is_cuda() && b.is_cuda(), "sddmm: a and b must be CUDA tensors");
   const c10::cuda::CUDAGuard guard(a.device());
@@ -475,6 +488,8 @@ at::Tensor sddmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx,
   MAGICUBE_CHECK(nnz_pad % S == 0, "sddmm: col_idx length (", nnz_pad,
               ") must be a multiple of the stride ", S);
   MAGICUBE_CHECK(nnz_pad / S < INT32_MAX, "sddmm: col_idx is too long");
+  MAGICUBE_CHECK(longest_row >= -1, "sddmm: longest_row must be -1 (not known) or the most vectors a vector row ",
+                 "keeps, got ", longest_row);
 
   const float* sa = nullptr;
   const float* sb = nullptr;
@@ -500,10 +515,18 @@ at::Tensor sddmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx,
   // No vector row owns a block, or no column is in range: every slot is padding.
   if (num_vrows == 0 || n == 0) return out.zero_();
 
+  // Rows keeping more than 8 mean rows' worth of vectors get a CTA each (the kernel's comment).
+  // There are at most `long_rows` of them, and a row_order that descends in length (as
+  // SRBCRS.from_mask builds it) puts them first, in the positions those CTAs look at; a long row
+  // further back stays on one warp, slower but the same. longest_row (SRBCRS.longest_row, -1 if
+  // not known) spares a mask without long rows the CTAs, which would return at once.
+  const int64_t long_count = 8 * ((nnz_pad / S + num_vrows - 1) / num_vrows) * S;
+  const bool may_be_long = long_count < INT32_MAX && (longest_row < 0 || longest_row > long_count);
+  const int64_t long_rows = may_be_long ? std::min<int64_t>(num_vrows, nnz_pad / (long_count + 1)) : 0;
   const int64_t unit = load_unit(mode, row_bytes, a, b);
 #define MAGICUBE_SDDMM_DISPATCH(MODE, OUT)                                                       \
-  dispatch_unit<MODE, OUT>(unit, row_ptr, col_idx, row_order, num_vrows, nnz_pad, bh, a, b, sa, sb, \
-                                   out, m, n, k, row_bytes, v)
+  dispatch_unit<MODE, OUT>(unit, row_ptr, col_idx, row_order, long_rows, long_count, num_vrows, nnz_pad, bh, a, b, \
+                           sa, sb, out, m, n, k, row_bytes, v)
   const bool i64 = out_dtype == at::kLong;
   switch (mode) {
     case kInt8:
@@ -528,7 +551,7 @@ at::Tensor sddmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx,
 TORCH_LIBRARY_FRAGMENT(magicube_cuda, m) {
   m.def(
       "sddmm(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor a, Tensor b, "
-      "Tensor? scale_a, Tensor? scale_b, int v, int bits, ScalarType out_dtype) -> Tensor");
+      "Tensor? scale_a, Tensor? scale_b, int v, int bits, ScalarType out_dtype, int longest_row=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(magicube_cuda, CUDA, m) { m.impl("sddmm", &magicube_sddmm::sddmm_cuda); }

@@ -70,9 +70,9 @@ def run(cfg, reps: int, log=print) -> dict:
         for name, bits in PRECISIONS:
             a, b = _inputs(bh, m, n, k, bits, "cuda")
             if bits == 0:
-                fn = lambda a=a, b=b: ops.sddmm(*idx, a, b, None, None, v, 16, torch.float16)  # noqa: E731
+                fn = lambda a=a, b=b: ops.sddmm(*idx, a, b, None, None, v, 16, torch.float16, pat.longest_row)  # noqa: E731
             else:
-                fn = lambda a=a, b=b: ops.sddmm(*idx, a, b, sa, sb, v, bits, torch.float16)  # noqa: E731
+                fn = lambda a=a, b=b: ops.sddmm(*idx, a, b, sa, sb, v, bits, torch.float16, pat.longest_row)  # noqa: E731
             t = cuda_time(fn, reps=reps)
             records.append(dict(base, kernel=f"sddmm {name}", speedup_vs_dense=dense["median_ms"] / t["median_ms"], **t))
             log(f"M=N={m} K={k} BH={bh} V={v} sp={sparsity}: sddmm {name} {t['median_ms'] * 1e3:.1f} us, "

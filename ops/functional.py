@@ -76,7 +76,7 @@ def sddmm(pattern: SRBCRS, a: torch.Tensor, b: torch.Tensor, *, bits: int = 16, 
         raise ValueError(f"b: expected N = {p.k} rows (the pattern's columns), got shape {tuple(b.shape)}")
     sa, sb = _scales(scale_a, scale_b, a.shape[0], p.m, p.k, a.device)
     return _ops.sddmm(p.row_ptr, p.col_idx, p.row_order, a.contiguous(), b.contiguous(), sa, sb, p.v, bits,
-                      out_dtype)
+                      out_dtype, p.longest_row)
 
 
 def sparse_softmax(pattern: SRBCRS, values: torch.Tensor, *, scale: float = 1.0,

@@ -24,8 +24,10 @@ SCHEMAS = {
     "spmm": "spmm(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor a_values, Tensor b, "
             "Tensor? scale_a, Tensor? scale_b, int v, int m, int a_bits, bool a_signed, int b_bits, "
             "ScalarType out_dtype) -> Tensor",
+    # longest_row (here and in sparse_attention): SRBCRS.longest_row, or -1 if not known; a hint
+    # that spares a kernel work for long rows where there are none (any value gives the same function).
     "sddmm": "sddmm(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor a, Tensor b, "
-             "Tensor? scale_a, Tensor? scale_b, int v, int bits, ScalarType out_dtype) -> Tensor",
+             "Tensor? scale_a, Tensor? scale_b, int v, int bits, ScalarType out_dtype, int longest_row=-1) -> Tensor",
     "sparse_softmax": "sparse_softmax(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor values, "
                       "int v, float scale, int out_bits) -> (Tensor, Tensor)",
     # x [..., cols] (up to 4 leading dims, any strides but a contiguous last dim, cols a
@@ -36,8 +38,6 @@ SCHEMAS = {
     # scores, quantized probabilities), so that a fused kernel computes the same function. Scales
     # of any strides (an expanded per-(batch x head) scale is read in place); the output is
     # [BH / heads, M, heads, dv] with bh = b * heads + h, which views as [B, M, heads * dv].
-    # longest_row: SRBCRS.longest_row, or -1 if not known; a hint that spares a kernel work for
-    # long rows where there are none (any value gives the same function).
     "sparse_attention": "sparse_attention(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor query, "
                         "Tensor key, Tensor value, Tensor? scale_q, Tensor? scale_k, Tensor? scale_v, int v, "
                         "float softmax_scale, int qk_bits, int p_bits, int heads, int longest_row=-1) -> Tensor",
@@ -130,7 +130,15 @@ def check_spmm(row_ptr, col_idx, row_order, a_values, b, scale_a, scale_b, v, m,
     _check_scales(scale_a, scale_b, m, n, bh, device, quantized, out_dtype)
     return bh, m, n
 
-def check_sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, out_dtype, contiguous_scales=True):
+def _check_longest_row(longest_row):
+    if not isinstance(longest_row, int) or longest_row < -1:
+        raise ValueError(f"longest_row: expected -1 (not known) or the most vectors a vector row keeps, "
+                         f"got {longest_row!r}")
+
+
+def check_sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, out_dtype, longest_row=-1,
+                contiguous_scales=True):
+    _check_longest_row(longest_row)
     device = a.device if isinstance(a, torch.Tensor) else None
     _check_pattern(row_ptr, col_idx, row_order, v, device)
     _check_tensor("a", a, dim=3, device=device)
@@ -164,9 +172,7 @@ def check_sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits
 
 def check_sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale_q, scale_k, scale_v, v,
                            softmax_scale, qk_bits, p_bits, heads, longest_row=-1):
-    if not isinstance(longest_row, int) or longest_row < -1:
-        raise ValueError(f"longest_row: expected -1 (not known) or the most vectors a vector row keeps, "
-                         f"got {longest_row!r}")
+    _check_longest_row(longest_row)
     quantized = isinstance(query, torch.Tensor) and query.dtype != torch.float16
     check_sddmm(row_ptr, col_idx, row_order, query, key, scale_q, scale_k, v, qk_bits, torch.float16,
                 contiguous_scales=False)
@@ -291,8 +297,8 @@ def _spmm_fake(row_ptr, col_idx, row_order, a_values, b, scale_a, scale_b, v, m,
     return a_values.new_empty((bh, m, n), dtype=out_dtype)
 
 @torch.library.register_fake(f"{NAMESPACE}::sddmm")
-def _sddmm_fake(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, out_dtype):
-    bh, width = check_sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, out_dtype)
+def _sddmm_fake(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, out_dtype, longest_row=-1):
+    bh, width = check_sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, out_dtype, longest_row)
     return a.new_empty((bh, width), dtype=out_dtype)
 
 @torch.library.register_fake(f"{NAMESPACE}::sparse_softmax")

@@ -70,8 +70,8 @@ def spmm(row_ptr, col_idx, row_order, a_values, b, scale_a, scale_b, v, m, a_bit
     return _dequantize(acc, scale, out_dtype)
 
 
-def sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, out_dtype):
-    del row_order
+def sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, out_dtype, longest_row=-1):
+    del row_order, longest_row  # the result depends on neither
     quantized = a.dtype != torch.float16
     am, bm = _decode(a, bits), _decode(b, bits)  # [BH, M, K], [BH, N, K]
     _check_exact(am.shape[2], quantized)

@@ -32,11 +32,11 @@ def kernels():
     return load_kernels("sddmm")
 
 
-def _run(kernels, p, a, b, sa, sb, v, bits, out_dtype):
+def _run(kernels, p, a, b, sa, sb, v, bits, out_dtype, longest_row=-1):
     cuda = p.to("cuda")
     dev = [x.cuda() if x is not None else None for x in (a, b, sa, sb)]
     poison_allocator(-0x5A5A5A5A5A5A5A5A, torch.int64)
-    got = kernels.sddmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev, v, bits, out_dtype)
+    got = kernels.sddmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev, v, bits, out_dtype, longest_row)
     torch.cuda.synchronize()
     want = torch.ops.magicube.sddmm(p.row_ptr, p.col_idx, p.row_order, a, b, sa, sb, v, bits, out_dtype)
     return got.cpu(), want
@@ -110,21 +110,21 @@ def test_fp16_within_fp32_accumulation_bound(kernels, v):
         assert _within_fp32_bound(want, p, a, b)
 
 
-def _check_random_operands(kernels, p, bh, n, k, v, bits, g, what):
+def _check_random_operands(kernels, p, bh, n, k, v, bits, g, what, longest_row=-1):
     """Random A (BH x M x K) and B (BH x N x K) of `bits` (0: float16) through the kernel: the int64
     and the dequantized fp16 outputs bit-exact against the reference, float16 within its bound."""
     if bits == 0:
         a = torch.randn(bh, p.m, k, generator=g).half()
         b = torch.randn(bh, n, k, generator=g).half()
-        got, _ = _run(kernels, p, a, b, None, None, v, 16, torch.float16)
+        got, _ = _run(kernels, p, a, b, None, None, v, 16, torch.float16, longest_row)
         assert _within_fp32_bound(got, p, a, b), what
         return
     a = to_container(random_ints((bh, p.m, k), bits, True, g), bits)
     b = to_container(random_ints((bh, n, k), bits, True, g), bits)
-    got, want = _run(kernels, p, a, b, None, None, v, bits, torch.int64)
+    got, want = _run(kernels, p, a, b, None, None, v, bits, torch.int64, longest_row)
     assert torch.equal(got, want), f"{what}: {(got != want).sum()} mismatches"
     sa, sb = _scales(bh, p.m, n, g, bits)
-    got, want = _run(kernels, p, a, b, sa, sb, v, bits, torch.float16)
+    got, want = _run(kernels, p, a, b, sa, sb, v, bits, torch.float16, longest_row)
     assert not got.isnan().any() and torch.equal(got, want), f"{what}: dequantized output differs"
 
 
@@ -160,6 +160,26 @@ def test_unsorted_columns_many_rows(kernels, bits, v):
     mask[0], mask[1], mask[2] = False, True, torch.arange(n) >= n - 40
     p = with_columns_shuffled(SRBCRS.from_mask(VectorMask(mask, v), stride=32), g)
     _check_random_operands(kernels, p, bh, n, k, v, bits, g, "unsorted columns")
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4, 0])
+def test_global_rows(kernels, bits):
+    """Rows past 8 mean rows (global tokens) are split over a CTA's 8 warps, a run of blocks each:
+    400 vector rows of density 0.01 beside 20 full ones (64 blocks against a mean of 5) and one of
+    1900 columns (60 blocks: the last warp's run is shorter, its last block partial), one empty.
+    Exact in length order, in a shuffled and a reversed one (long rows past the positions the
+    split CTAs look at stay on one warp), and with longest_row given (0: every row on a warp)."""
+    n, rows, v, k, bh = 2048, 400, 8, 64, 2
+    g = torch.Generator().manual_seed(50 + bits)
+    mask = torch.rand(rows, n, generator=g) < 0.01
+    mask[3::20], mask[11, :1900], mask[7] = True, True, False
+    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
+    assert p.longest_row == n
+    for hint in (-1, p.longest_row, 0):
+        _check_random_operands(kernels, p, bh, n, k, v, bits, g, f"global rows, longest_row={hint}", hint)
+    for name, order in (("shuffled", p.row_order[torch.randperm(rows, generator=g)]), ("reversed", p.row_order.flip(0))):
+        other = SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, p.col_idx, order.contiguous(), p.shuffled)
+        _check_random_operands(kernels, other, bh, n, k, v, bits, g, f"global rows, {name} row_order")
 
 
 def test_padding_is_zero_and_row_order_irrelevant(kernels):
