@@ -12,6 +12,7 @@
 
 #include "attention_kernel.cuh"
 #include "check.cuh"
+#include "long_rows.cuh"
 
 namespace {
 
@@ -127,33 +128,25 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, int64_t longes
                  " bytes of shared memory per block, the device has ", max_smem);
   p.cached = static_cast<int>(cached);
   if constexpr (!SPLIT) {
-    // A row keeping more than 8 mean rows' worth of slots (a global token's row) would be the
-    // kernel's tail on one warp: the split kernel takes those rows, one CTA a row on a
-    // high-priority side stream so that they start first and run beside the rest. There are at
-    // most `candidates` of them, since each holds more than long_slots of the nnz_pad slots, and a
-    // row_order that descends in length (as SRBCRS.from_mask builds it) puts them first: the side
-    // launch has one CTA for each of the first `candidates` positions, and takes the long rows
-    // there, which the whole-row launch skips. Long rows further back in another order stay on a
-    // warp, slower but exact. H100, B 8, H 4, L 4096, window 32 + CLS row and column + random
-    // fill (the CLS row alone has 128 blocks, 8 to 18 times the others), 8b-8b: 206-209 -> 149 us
-    // at sparsity 0.9 (the random mask's time), 201 -> 92 us at 0.95; fp16 501 -> 295 us at 0.9.
-    // A mask without long rows would pay for the side launch's CTAs, which all return at once
-    // (random mask: 149.0 -> 150.5 us); longest_row (SRBCRS.longest_row, -1 if not known) spares
-    // it that.
-    const int64_t long_slots = 8 * mean_blocks * kSlots;
-    const int64_t candidates = std::min<int64_t>(vrows, nnz_pad / (long_slots + 1));
-    if (candidates > 0 && long_slots < INT32_MAX && (longest_row < 0 || longest_row > long_slots)) {
+    // Long rows (long_rows.cuh) go to the split kernel, one CTA a row on a high-priority side
+    // stream so that they start first and run beside the rest; the whole-row launch skips them.
+    // H100, B 8, H 4, L 4096, window 32 + CLS row and column + random fill (the CLS row alone has
+    // 128 blocks, 8 to 18 times the others), 8b-8b: 206-209 -> 149 us at sparsity 0.9 (the random
+    // mask's time), 201 -> 92 us at 0.95; fp16 501 -> 295 us at 0.9. Without the longest_row hint a
+    // random mask pays for the CTAs that return at once: 149.0 -> 150.5 us.
+    const magicube::LongRows lr = magicube::long_rows(nnz_pad, vrows, longest_row, kSlots);
+    if (lr.candidates > 0) {
       const int split_smem = max_dynamic_smem<OP, PB, D, DV, true>(prop);
       MAGICUBE_CHECK(smem <= split_smem, "sparse_attention: needs ", smem,
                      " bytes of shared memory per block for the long rows, the device has ", split_smem);
-      p.long_rows = static_cast<int>(candidates);
-      p.long_count = static_cast<int>(long_slots);
+      p.long_rows = static_cast<int>(lr.candidates);
+      p.long_count = static_cast<int>(lr.slots);
       const at::cuda::CUDAStream main = at::cuda::getCurrentCUDAStream();
       const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(/*isHighPriority=*/true, main.device_index());
       at::cuda::CUDAEvent fork, join;
       fork.record(main);
       fork.block(side);
-      rasterized<OP, PB, D, DV, true>(p, candidates, bh, smem, prop, side.stream());
+      rasterized<OP, PB, D, DV, true>(p, lr.candidates, bh, smem, prop, side.stream());
       join.record(side);
       rasterized<OP, PB, D, DV, false>(p, (vrows + kWarps - 1) / kWarps, bh, smem, prop, stream);
       join.block(main);

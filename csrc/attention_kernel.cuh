@@ -88,9 +88,9 @@ struct Params {
   int bh, m, n, v;
   int cached;              // blocks per warp whose scores stay in shared memory
   int group0;              // the launch's first row group (the kernel's comment)
-  // Long rows (csrc/attention.cu): the rows at positions below long_rows of row_order that keep
-  // more than long_count slots are the split launch's with long_rows > 0 (one CTA a position), and
-  // the whole-row launch skips them; 0 for a launch that takes every row it is given.
+  // Long rows (csrc/long_rows.cuh): a row at a position below long_rows of row_order that keeps
+  // more than long_count slots belongs to the split launch (one CTA a position), and the whole-row
+  // launch skips it. long_rows = 0: each launch takes every row it is given.
   int long_rows = 0;
   int long_count = 0;
   float softmax_scale;

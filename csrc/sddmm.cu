@@ -29,6 +29,7 @@
 #include <cuda_fp16.h>
 
 #include "check.cuh"
+#include "long_rows.cuh"
 #include "sddmm_mma.cuh"
 
 namespace magicube_sddmm {
@@ -515,17 +516,11 @@ at::Tensor sddmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx,
   // No vector row owns a block, or no column is in range: every slot is padding.
   if (num_vrows == 0 || n == 0) return out.zero_();
 
-  // Rows keeping more than 8 mean rows' worth of vectors get a CTA each (the kernel's comment).
-  // There are at most `long_rows` of them, and a row_order that descends in length (as
-  // SRBCRS.from_mask builds it) puts them first, in the positions those CTAs look at; a long row
-  // further back stays on one warp, slower but the same. longest_row (SRBCRS.longest_row, -1 if
-  // not known) spares a mask without long rows the CTAs, which would return at once.
-  const int64_t long_count = 8 * ((nnz_pad / S + num_vrows - 1) / num_vrows) * S;
-  const bool may_be_long = long_count < INT32_MAX && (longest_row < 0 || longest_row > long_count);
-  const int64_t long_rows = may_be_long ? std::min<int64_t>(num_vrows, nnz_pad / (long_count + 1)) : 0;
+  // Long rows (long_rows.cuh) get a CTA each (the kernel's comment).
+  const magicube::LongRows lr = magicube::long_rows(nnz_pad, num_vrows, longest_row, S);
   const int64_t unit = load_unit(mode, row_bytes, a, b);
 #define MAGICUBE_SDDMM_DISPATCH(MODE, OUT)                                                       \
-  dispatch_unit<MODE, OUT>(unit, row_ptr, col_idx, row_order, long_rows, long_count, num_vrows, nnz_pad, bh, a, b, \
+  dispatch_unit<MODE, OUT>(unit, row_ptr, col_idx, row_order, lr.candidates, lr.slots, num_vrows, nnz_pad, bh, a, b, \
                            sa, sb, out, m, n, k, row_bytes, v)
   const bool i64 = out_dtype == at::kLong;
   switch (mode) {
