@@ -104,7 +104,7 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, int64_t longes
   // (43 KB each), fp16 3. Capping the cache below a mean row for more CTAs was slower on an H200
   // (247 us against 229 for 8b-8b, when 12 blocks gave a 4th CTA): the recomputed blocks cost
   // more than the extra warps gain.
-  const int64_t mean_blocks = (nnz_pad / 32 + vrows - 1) / vrows;
+  const int64_t mean_blocks = magicube::mean_blocks(nnz_pad, vrows, kSlots);
   int64_t cached = SPLIT ? (mean_blocks + kWarps - 1) / kWarps : mean_blocks;
   const int64_t static_smem = static_cast<int64_t>(prop->sharedMemPerBlockOptin) - max_smem;
   // The cached blocks that fit beside the ring in `budget` bytes of dynamic shared memory.

@@ -1,5 +1,5 @@
 // Which vector rows count as long, for the kernels that give such a row a CTA of its own
-// (attention.cu, sddmm.cu). Host code only.
+// (attention.cu, sddmm.cu, softmax.cu). Host code only.
 //
 // A row keeping more than 8 mean rows' worth of slots (a global token's row) would be its
 // kernel's tail on one warp. At most nnz_pad / (slots + 1) rows can be that long, so a launch of
@@ -19,9 +19,13 @@ struct LongRows {
   int64_t candidates;  // leading positions of row_order a long row may hold; 0: no launch for them
 };
 
+// Blocks of `stride` slots in a row of mean length, rounded up; known without reading the pattern.
+inline int64_t mean_blocks(int64_t nnz_pad, int64_t vrows, int64_t stride) {
+  return vrows > 0 ? (nnz_pad / stride + vrows - 1) / vrows : 0;
+}
+
 inline LongRows long_rows(int64_t nnz_pad, int64_t vrows, int64_t longest_row, int64_t stride) {
-  const int64_t mean_blocks = vrows > 0 ? (nnz_pad / stride + vrows - 1) / vrows : 0;
-  const int64_t slots = 8 * mean_blocks * stride;
+  const int64_t slots = 8 * mean_blocks(nnz_pad, vrows, stride) * stride;
   const bool may_be_long = slots < INT32_MAX && (longest_row < 0 || longest_row > slots);
   return {slots, may_be_long ? std::min<int64_t>(vrows, nnz_pad / (slots + 1)) : 0};
 }

@@ -13,6 +13,12 @@
 // The kept mask comes from the row's count; only the 8-slot group holding the
 // end of the row can mix kept and padding slots (the int4 column shuffle
 // permutes inside groups of 8), and only there is col_idx read.
+//
+// A row keeping more than 8 mean rows' worth of slots (a global token's row,
+// csrc/long_rows.cuh) would be the kernel's tail on one warp: such a row gets a
+// CTA of its own, whose 4 warps take a quarter of its steps each and combine
+// their max and sum through shared memory (in warp order, so the sum is added
+// in another order than on one warp: the row scale may move by an ulp).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -24,6 +30,7 @@
 #include <tuple>
 
 #include "check.cuh"
+#include "long_rows.cuh"
 
 namespace magicube_softmax {
 
@@ -78,23 +85,37 @@ struct Store<4> {
   static constexpr float kQmax = 15.f;
 };
 
+// Grid (long_rows + ceil(M/V / 4), BH). CTA x < long_rows takes the vector row at
+// position x of row_order if it keeps more than long_count slots, with all of its
+// warps; the other CTAs give each warp the row at position 4 (x - long_rows) +
+// warp, unless it is one of the former.
 template <int V, int OUT_BITS>
 __global__ void __launch_bounds__(kWarps * 32)
     softmax_kernel(const int* __restrict__ row_ptr, const int* __restrict__ col_idx,
-                   const int* __restrict__ row_order, int num_vrows, int64_t nnz_pad,
-                   const __half* __restrict__ values, uint8_t* __restrict__ probs,
+                   const int* __restrict__ row_order, int long_rows, int long_count, int num_vrows,
+                   int64_t nnz_pad, const __half* __restrict__ values, uint8_t* __restrict__ probs,
                    float* __restrict__ row_scale, float scale) {
   constexpr int kBps = LaneMap<V>::kBlocksPerStep;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int w = blockIdx.x * kWarps + warp;
-  if (w >= num_vrows) return;
+  // split is uniform over the CTA, so are its returns: its warps all reach the barriers.
+  const bool split = static_cast<int>(blockIdx.x) < long_rows;
+  const int pos = split ? static_cast<int>(blockIdx.x) : (static_cast<int>(blockIdx.x) - long_rows) * kWarps + warp;
+  if (pos >= num_vrows) return;
   const int64_t bh = blockIdx.y;
-  const int vrow = __ldg(row_order + w);
+  const int vrow = __ldg(row_order + pos);
   const int64_t start = __ldg(row_ptr + 2 * vrow);
   const int count = __ldg(row_ptr + 2 * vrow + 1) - static_cast<int>(start);
+  if (pos < long_rows && (count > long_count) != split) return;  // the other layout's row
   const int num_blocks = (count + kStride - 1) / kStride;
   const int steps = (num_blocks + kBps - 1) / kBps;
+  // The warp's steps [first, last): the whole row, or a quarter of a split one.
+  int first = 0, last = steps;
+  if (split) {
+    const int per = (steps + kWarps - 1) / kWarps;
+    first = min(steps, warp * per);
+    last = min(steps, first + per);
+  }
 
   const int grp = lane & 3;
   const int r = (lane >> 2) & (V - 1);
@@ -127,10 +148,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   // wrote itself, so no warp barrier is needed.
   __shared__ uint4 cache[kWarps][kCached][32];
   uint4(&mine)[kCached][32] = cache[warp];
-  const bool cached = steps <= kCached;
+  const bool cached = last - first <= kCached;
   auto load_chunk = [&](int c0) {
 #pragma unroll 4
-    for (int u = 0; u < kCached && c0 + u < steps; ++u) {
+    for (int u = 0; u < kCached && c0 + u < last; ++u) {
       const int64_t o = elem_offset(c0 + u);
       const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(&mine[u][lane]));
       const void* src = o >= 0 ? static_cast<const void*>(vbase + o) : static_cast<const void*>(vbase);
@@ -150,16 +171,32 @@ __global__ void __launch_bounds__(kWarps * 32)
     return __half2float(__ushort_as_half(static_cast<unsigned short>(hw & 0xFFFFu))) * c;
   };
 
-  if (cached) load_chunk(0);
+  if (cached) load_chunk(first);
+
+  // A row's max or sum: over the warp's lanes of the row, then over the warps of a
+  // split row in warp order.
+  __shared__ float partial[kWarps][V];
+  auto over_row = [&](float x, auto op) -> float {
+    x = row_reduce<V>(x, op);
+    if (!split) return x;
+    if (grp == 0 && bo == 0) partial[warp][r] = x;
+    __syncthreads();
+    x = partial[0][r];
+#pragma unroll
+    for (int i = 1; i < kWarps; ++i) x = op(x, partial[i][r]);
+    __syncthreads();  // the next call rewrites partial
+    return x;
+  };
+  const auto add = [](float x, float y) { return x + y; };
 
   // max(value * c) is value_max * c exactly (rounding is monotone), so the max
   // is taken on the packed halves; a negative scale takes it on -value.
   const uint32_t flip = c < 0.f ? 0x80008000u : 0u;
   __half2 hmax = __halves2half2(__ushort_as_half(0xFC00u), __ushort_as_half(0xFC00u));
-  for (int c0 = 0; c0 < steps; c0 += kCached) {
+  for (int c0 = first; c0 < last; c0 += kCached) {
     if (!cached) load_chunk(c0);
 #pragma unroll 2
-    for (int u = 0; u < kCached && c0 + u < steps; ++u) {
+    for (int u = 0; u < kCached && c0 + u < last; ++u) {
       const uint32_t msk = kept_mask(c0 + u);
       if (msk == 0u) continue;
       const uint4 qd = mine[u][lane];
@@ -176,7 +213,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
   }
   float xmax = fmaxf(__low2float(hmax), __high2float(hmax));
-  xmax = row_reduce<V>(xmax, [](float x, float y) { return fmaxf(x, y); });
+  xmax = over_row(xmax, [](float x, float y) { return fmaxf(x, y); });
   const float ymax = (flip ? -xmax : xmax) * c;
 
   constexpr float kQmax = Store<OUT_BITS>::kQmax;
@@ -188,22 +225,22 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   float sum = 0.f;
   if constexpr (OUT_BITS == 0) {
-    for (int c0 = 0; c0 < steps; c0 += kCached) {
+    for (int c0 = first; c0 < last; c0 += kCached) {
       if (!cached) load_chunk(c0);
 #pragma unroll 2
-      for (int u = 0; u < kCached && c0 + u < steps; ++u) {
+      for (int u = 0; u < kCached && c0 + u < last; ++u) {
         float ev[8];
         exps(u, kept_mask(c0 + u), ev);
 #pragma unroll
         for (int e = 0; e < 8; ++e) sum += ev[e];
       }
     }
-    sum = row_reduce<V>(sum, [](float x, float y) { return x + y; });
+    sum = over_row(sum, add);
     const float inv_sum = 1.f / sum;
-    for (int c0 = 0; c0 < steps; c0 += kCached) {
+    for (int c0 = first; c0 < last; c0 += kCached) {
       if (!cached) load_chunk(c0);
 #pragma unroll 2
-      for (int u = 0; u < kCached && c0 + u < steps; ++u) {
+      for (int u = 0; u < kCached && c0 + u < last; ++u) {
         const int64_t o = elem_offset(c0 + u);
         if (o < 0) continue;
         float ev[8];
@@ -220,10 +257,10 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
   } else {
     // q = round(e * qmax) needs no sum: one pass computes e once for both.
-    for (int c0 = 0; c0 < steps; c0 += kCached) {
+    for (int c0 = first; c0 < last; c0 += kCached) {
       if (!cached) load_chunk(c0);
 #pragma unroll 2
-      for (int u = 0; u < kCached && c0 + u < steps; ++u) {
+      for (int u = 0; u < kCached && c0 + u < last; ++u) {
         const int64_t o = elem_offset(c0 + u);
         if (o < 0) continue;
         float ev[8];
@@ -250,10 +287,10 @@ __global__ void __launch_bounds__(kWarps * 32)
         }
       }
     }
-    sum = row_reduce<V>(sum, [](float x, float y) { return x + y; });
+    sum = over_row(sum, add);
   }
 
-  if (grp == 0 && bo == 0) {
+  if (grp == 0 && bo == 0 && (!split || warp == 0)) {
     // fp16 probabilities carry no scale (ones, empty rows included); a quantized
     // empty row gets 0, never 1 / 0.
     float rs = 1.f;
@@ -264,36 +301,42 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 template <int V, int OUT_BITS>
 void launch(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order,
-            int64_t num_vrows, int64_t nnz_pad, int64_t bh, const at::Tensor& values,
-            at::Tensor& probs, at::Tensor& row_scale, double scale) {
-  const dim3 grid(static_cast<unsigned>((num_vrows + kWarps - 1) / kWarps), static_cast<unsigned>(bh));
+            const magicube::LongRows& lr, int64_t num_vrows, int64_t nnz_pad, int64_t bh,
+            const at::Tensor& values, at::Tensor& probs, at::Tensor& row_scale, double scale) {
+  const dim3 grid(static_cast<unsigned>(lr.candidates + (num_vrows + kWarps - 1) / kWarps), static_cast<unsigned>(bh));
   softmax_kernel<V, OUT_BITS><<<grid, kWarps * 32, 0, at::cuda::getCurrentCUDAStream()>>>(
-      row_ptr.data_ptr<int>(), col_idx.data_ptr<int>(), row_order.data_ptr<int>(),
-      static_cast<int>(num_vrows), nnz_pad, reinterpret_cast<const __half*>(values.data_ptr()),
-      static_cast<uint8_t*>(probs.data_ptr()), row_scale.data_ptr<float>(), static_cast<float>(scale));
+      row_ptr.data_ptr<int>(), col_idx.data_ptr<int>(), row_order.data_ptr<int>(), static_cast<int>(lr.candidates),
+      static_cast<int>(std::min<int64_t>(lr.slots, INT32_MAX)), static_cast<int>(num_vrows), nnz_pad,
+      reinterpret_cast<const __half*>(values.data_ptr()), static_cast<uint8_t*>(probs.data_ptr()),
+      row_scale.data_ptr<float>(), static_cast<float>(scale));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <int V>
 void dispatch_bits(int64_t out_bits, const at::Tensor& row_ptr, const at::Tensor& col_idx,
-                   const at::Tensor& row_order, int64_t num_vrows, int64_t nnz_pad, int64_t bh,
-                   const at::Tensor& values, at::Tensor& probs, at::Tensor& row_scale, double scale) {
+                   const at::Tensor& row_order, const magicube::LongRows& lr, int64_t num_vrows, int64_t nnz_pad,
+                   int64_t bh, const at::Tensor& values, at::Tensor& probs, at::Tensor& row_scale, double scale) {
+#define MAGICUBE_SOFTMAX_LAUNCH(BITS) \
+  launch<V, BITS>(row_ptr, col_idx, row_order, lr, num_vrows, nnz_pad, bh, values, probs, row_scale, scale)
   switch (out_bits) {
-    case 0: launch<V, 0>(row_ptr, col_idx, row_order, num_vrows, nnz_pad, bh, values, probs, row_scale, scale); break;
-    case 16: launch<V, 16>(row_ptr, col_idx, row_order, num_vrows, nnz_pad, bh, values, probs, row_scale, scale); break;
-    case 8: launch<V, 8>(row_ptr, col_idx, row_order, num_vrows, nnz_pad, bh, values, probs, row_scale, scale); break;
-    default: launch<V, 4>(row_ptr, col_idx, row_order, num_vrows, nnz_pad, bh, values, probs, row_scale, scale); break;
+    case 0: MAGICUBE_SOFTMAX_LAUNCH(0); break;
+    case 16: MAGICUBE_SOFTMAX_LAUNCH(16); break;
+    case 8: MAGICUBE_SOFTMAX_LAUNCH(8); break;
+    default: MAGICUBE_SOFTMAX_LAUNCH(4); break;
   }
+#undef MAGICUBE_SOFTMAX_LAUNCH
 }
 
 std::tuple<at::Tensor, at::Tensor> sparse_softmax_cuda(const at::Tensor& row_ptr,
                                                        const at::Tensor& col_idx,
                                                        const at::Tensor& row_order,
                                                        const at::Tensor& values, int64_t v,
-                                                       double scale, int64_t out_bits) {
+                                                       double scale, int64_t out_bits, int64_t longest_row) {
   MAGICUBE_CHECK(v == 2 || v == 4 || v == 8, "sparse_softmax: v must be 2, 4 or 8, got ", v);
   MAGICUBE_CHECK(out_bits == 0 || out_bits == 16 || out_bits == 8 || out_bits == 4,
               "sparse_softmax: out_bits must be 0, 16, 8 or 4, got ", out_bits);
+  MAGICUBE_CHECK(longest_row >= -1, "sparse_softmax: longest_row must be -1 (not known) or the most vectors a ",
+              "vector row keeps, got ", longest_row);
   MAGICUBE_CHECK(values.is_cuda(), "sparse_softmax: values must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(values.device());
   for (const auto* p : {&row_ptr, &col_idx, &row_order}) {
@@ -330,11 +373,16 @@ std::tuple<at::Tensor, at::Tensor> sparse_softmax_cuda(const at::Tensor& row_ptr
   at::Tensor row_scale = at::empty({bh, m}, opts.dtype(at::kFloat));
   if (bh == 0 || num_vrows == 0) return {probs, row_scale};
 
+  // Long rows (long_rows.cuh) get a CTA each (the kernel's comment).
+  const magicube::LongRows lr = magicube::long_rows(nnz_pad, num_vrows, longest_row, kStride);
+#define MAGICUBE_SOFTMAX_DISPATCH(V) \
+  dispatch_bits<V>(out_bits, row_ptr, col_idx, row_order, lr, num_vrows, nnz_pad, bh, values, probs, row_scale, scale)
   switch (v) {
-    case 2: dispatch_bits<2>(out_bits, row_ptr, col_idx, row_order, num_vrows, nnz_pad, bh, values, probs, row_scale, scale); break;
-    case 4: dispatch_bits<4>(out_bits, row_ptr, col_idx, row_order, num_vrows, nnz_pad, bh, values, probs, row_scale, scale); break;
-    default: dispatch_bits<8>(out_bits, row_ptr, col_idx, row_order, num_vrows, nnz_pad, bh, values, probs, row_scale, scale); break;
+    case 2: MAGICUBE_SOFTMAX_DISPATCH(2); break;
+    case 4: MAGICUBE_SOFTMAX_DISPATCH(4); break;
+    default: MAGICUBE_SOFTMAX_DISPATCH(8); break;
   }
+#undef MAGICUBE_SOFTMAX_DISPATCH
   return {probs, row_scale};
 }
 
@@ -343,7 +391,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_softmax_cuda(const at::Tensor& row_ptr
 TORCH_LIBRARY_FRAGMENT(magicube_cuda, m) {
   m.def(
       "sparse_softmax(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor values, int v, "
-      "float scale, int out_bits) -> (Tensor, Tensor)");
+      "float scale, int out_bits, int longest_row=-1) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(magicube_cuda, CUDA, m) {

@@ -81,7 +81,7 @@ def run(cfg, reps: int, log=print) -> dict:
                 scores = fn()
             del a, b
         for out_bits in cfg["softmax_bits"]:
-            fn = lambda scores=scores: ops.sparse_softmax(*idx, scores, v, k ** -0.5, out_bits)  # noqa: E731
+            fn = lambda scores=scores: ops.sparse_softmax(*idx, scores, v, k ** -0.5, out_bits, pat.longest_row)  # noqa: E731
             t = cuda_time(fn, reps=reps)
             elems = scores.numel()
             out_bytes = elems * {0: 2, 16: 2, 8: 1, 4: 0.5}[out_bits]

@@ -88,7 +88,8 @@ def sparse_softmax(pattern: SRBCRS, values: torch.Tensor, *, scale: float = 1.0,
     spmm(a_bits=out_bits, a_signed=False, scale_a=row_scale). Rows with no kept entry are 0.
     """
     p = _pattern(pattern, values.device)
-    return _ops.sparse_softmax(p.row_ptr, p.col_idx, p.row_order, values.contiguous(), p.v, float(scale), out_bits)
+    return _ops.sparse_softmax(p.row_ptr, p.col_idx, p.row_order, values.contiguous(), p.v, float(scale), out_bits,
+                               p.longest_row)
 
 
 def sparse_attention(pattern: SRBCRS, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,

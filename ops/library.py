@@ -24,12 +24,12 @@ SCHEMAS = {
     "spmm": "spmm(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor a_values, Tensor b, "
             "Tensor? scale_a, Tensor? scale_b, int v, int m, int a_bits, bool a_signed, int b_bits, "
             "ScalarType out_dtype) -> Tensor",
-    # longest_row (here and in sparse_attention): SRBCRS.longest_row, or -1 if not known; a hint
+    # longest_row (here, in sparse_softmax and in sparse_attention): SRBCRS.longest_row, or -1 if not known; a hint
     # that spares a kernel work for long rows where there are none (any value gives the same function).
     "sddmm": "sddmm(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor a, Tensor b, "
              "Tensor? scale_a, Tensor? scale_b, int v, int bits, ScalarType out_dtype, int longest_row=-1) -> Tensor",
     "sparse_softmax": "sparse_softmax(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor values, "
-                      "int v, float scale, int out_bits) -> (Tensor, Tensor)",
+                      "int v, float scale, int out_bits, int longest_row=-1) -> (Tensor, Tensor)",
     # x [..., cols] (up to 4 leading dims, any strides but a contiguous last dim, cols a
     # multiple of 8, 16-byte aligned rows) / scale [...] (one per row, any strides) -> the
     # contiguous container of `bits`, shaped like x
@@ -160,7 +160,8 @@ def check_sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, ou
     _check_scales(scale_a, scale_b, m, b.shape[1], bh, device, quantized, out_dtype, contiguous_scales)
     return bh, col_idx.numel() * v
 
-def check_sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits):
+def check_sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits, longest_row=-1):
+    _check_longest_row(longest_row)
     device = values.device if isinstance(values, torch.Tensor) else None
     _check_pattern(row_ptr, col_idx, row_order, v, device)
     _check_tensor("values", values, torch.float16, 2, device=device)
@@ -302,8 +303,8 @@ def _sddmm_fake(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, ou
     return a.new_empty((bh, width), dtype=out_dtype)
 
 @torch.library.register_fake(f"{NAMESPACE}::sparse_softmax")
-def _sparse_softmax_fake(row_ptr, col_idx, row_order, values, v, scale, out_bits):
-    bh, m = check_sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits)
+def _sparse_softmax_fake(row_ptr, col_idx, row_order, values, v, scale, out_bits, longest_row=-1):
+    bh, m = check_sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits, longest_row)
     if out_bits == 0:
         probs = torch.empty_like(values)
     elif out_bits == 4:

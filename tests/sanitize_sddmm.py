@@ -21,7 +21,7 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     # N = 1000: rows of several stride blocks; K = 128 two k chunks, K = 300 rows with
     # 4-byte units (int8, int16, fp16) and 2-byte units (int4, 150 bytes). 24 rows of one block
-    # beside a full one of 35: a row past 8 mean rows, split over a CTA's warps.
+    # beside a full one of 35: a row past 8 mean rows, split over a CTA's warps by both kernels.
     for v, n, ks, rows, sparsity in ((2, 130, (64, 38), 5, 0.7), (8, 130, (64, 38), 5, 0.7),
                                      (8, 1000, (128,), 5, 0.7), (4, 1000, (300,), 5, 0.7),
                                      (8, 1100, (64,), 24, 0.98)):

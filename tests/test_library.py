@@ -55,8 +55,9 @@ def test_opcheck_sddmm(bits):
 
 @pytest.mark.parametrize("out_bits", [0, 4, 8, 16])
 def test_opcheck_softmax(out_bits):
-    _, args = _softmax_args(out_bits)
+    p, args = _softmax_args(out_bits)
     torch.library.opcheck(torch.ops.magicube.sparse_softmax.default, args)
+    torch.library.opcheck(torch.ops.magicube.sparse_softmax.default, (*args, p.longest_row))
 
 
 @pytest.mark.parametrize("heads, expanded", [(1, False), (2, True), (4, False)])
@@ -99,6 +100,17 @@ def test_sparse_attention_longest_row_is_a_hint():
         assert torch.equal(torch.ops.magicube.sparse_attention(*args, hint), out)
     with pytest.raises(ValueError, match=r"longest_row: expected -1 \(not known\) or .*got -2"):
         torch.ops.magicube.sparse_attention(*args, -2)
+
+
+def test_sparse_softmax_longest_row_is_a_hint():
+    """Any longest_row gives the same function; below -1 it is refused by name."""
+    p, args = _softmax_args(8)
+    probs, row_scale = torch.ops.magicube.sparse_softmax(*args)
+    for hint in (0, p.longest_row, 10**6):
+        got, got_scale = torch.ops.magicube.sparse_softmax(*args, hint)
+        assert torch.equal(got, probs) and torch.equal(got_scale, row_scale)
+    with pytest.raises(ValueError, match=r"longest_row: expected -1 \(not known\) or .*got -2"):
+        torch.ops.magicube.sparse_softmax(*args, -2)
 
 
 def test_torch_compile_traces_the_pipeline():

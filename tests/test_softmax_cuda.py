@@ -37,12 +37,12 @@ def _values(p, bh, g, spread=4.0):
     return torch.where(col < 0, torch.full_like(x, 6e4), x).half(), col
 
 
-def _run(kernels, p, values, scale, out_bits):
+def _run(kernels, p, values, scale, out_bits, longest_row=-1):
     cuda = p.to("cuda")
     junk = torch.full((1 << 22,), -1, dtype=torch.int64, device="cuda")
     del junk
     got, rs = kernels.sparse_softmax(cuda.row_ptr, cuda.col_idx, cuda.row_order, values.cuda(), p.v, scale,
-                                     out_bits)
+                                     out_bits, longest_row)
     torch.cuda.synchronize()
     want, want_rs = torch.ops.magicube.sparse_softmax(p.row_ptr, p.col_idx, p.row_order, values, p.v, scale,
                                                       out_bits)
@@ -60,6 +60,27 @@ def _exact_e(p, values, scale):
     return torch.exp(x - mx.gather(1, row.expand(bh, -1))).masked_fill(~keep, 0.0)
 
 
+def _check(p, values, col, scale, out_bits, result, what):
+    got, rs, want, want_rs = result
+    assert got.dtype == want.dtype and got.shape == want.shape and rs.shape == want_rs.shape
+    assert not rs.isnan().any()
+    torch.testing.assert_close(rs, want_rs, rtol=1e-5, atol=0, msg=lambda m: f"{what}: {m}")
+    pad = col < 0
+    if out_bits == 0:
+        assert not got.isnan().any()
+        assert (got[:, pad] == 0).all()
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=1e-7, msg=lambda m: f"{what}: {m}")
+        return
+    q, wq = from_container(got, out_bits, False), from_container(want, out_bits, False)
+    assert (q[:, pad] == 0).all()
+    diff = (q - wq).abs()
+    assert diff.max() <= 1
+    qmax = (1 << out_bits) - 1
+    t = _exact_e(p, values, scale) * qmax
+    near_tie = ((t - t.floor() - 0.5).abs() <= qmax * 2.0 ** -19 + 1e-9)
+    assert (near_tie | (diff == 0)).all(), f"{what}: off-by-one away from a tie"
+
+
 @pytest.mark.parametrize("v", [2, 4, 8])
 @pytest.mark.parametrize("out_bits", [0, 16, 8, 4])
 def test_matches_reference(kernels, out_bits, v):
@@ -68,24 +89,32 @@ def test_matches_reference(kernels, out_bits, v):
         p, _ = problem(bh, rows, n, v, 0.5 + 0.07 * i, seed=i, shuffle=bool(i % 2))
         values, col = _values(p, bh, g)
         scale = 64 ** -0.5
-        got, rs, want, want_rs = _run(kernels, p, values, scale, out_bits)
-        assert got.dtype == want.dtype and got.shape == want.shape and rs.shape == want_rs.shape
-        assert not rs.isnan().any()
-        torch.testing.assert_close(rs, want_rs, rtol=1e-5, atol=0)
-        pad = col < 0
-        if out_bits == 0:
-            assert not got.isnan().any()
-            assert (got[:, pad] == 0).all()
-            torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=1e-7)
-            continue
-        q, wq = from_container(got, out_bits, False), from_container(want, out_bits, False)
-        assert (q[:, pad] == 0).all()
-        diff = (q - wq).abs()
-        assert diff.max() <= 1
-        qmax = (1 << out_bits) - 1
-        t = _exact_e(p, values, scale) * qmax
-        near_tie = ((t - t.floor() - 0.5).abs() <= qmax * 2.0 ** -19 + 1e-9)
-        assert (near_tie | (diff == 0)).all(), f"shape {(bh, rows, n)}: off-by-one away from a tie"
+        _check(p, values, col, scale, out_bits, _run(kernels, p, values, scale, out_bits), f"shape {(bh, rows, n)}")
+
+
+@pytest.mark.parametrize("v", [2, 8])
+@pytest.mark.parametrize("out_bits", [0, 16, 8, 4])
+def test_global_rows(kernels, out_bits, v):
+    """Rows past 8 mean rows (global tokens) are split over a CTA's 4 warps, a quarter of the
+    steps each, with the max and the sum combined across them: 400 vector rows of density 0.01
+    beside 20 full ones (128 blocks against a mean of 9: a quarter is 32 steps at V 8, streamed,
+    and 8 at V 2, cached) and one of 2999 columns (its last block and 8-slot group partial), one
+    empty. In length order, in a shuffled and a reversed one (long rows past the positions the
+    split CTAs look at stay on one warp), and with longest_row given (0: every row on a warp)."""
+    n, rows, bh = 4096, 400, 2
+    g = torch.Generator().manual_seed(60 + out_bits + v)
+    mask = torch.rand(rows, n, generator=g) < 0.01
+    mask[3::20], mask[11, :2999], mask[7] = True, True, False
+    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
+    assert p.longest_row == n
+    values, col = _values(p, bh, g)
+    scale = 0.3
+    for hint in (-1, p.longest_row, 0):
+        result = _run(kernels, p, values, scale, out_bits, hint)
+        _check(p, values, col, scale, out_bits, result, f"global rows, longest_row={hint}")
+    for name, order in (("shuffled", p.row_order[torch.randperm(rows, generator=g)]), ("reversed", p.row_order.flip(0))):
+        other = SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, p.col_idx, order.contiguous(), p.shuffled)
+        _check(p, values, col, scale, out_bits, _run(kernels, other, values, scale, out_bits), f"{name} row_order")
 
 
 @pytest.mark.parametrize("out_bits", [0, 8])
