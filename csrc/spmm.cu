@@ -10,6 +10,7 @@
 #include <string>
 
 #include "check.cuh"
+#include "long_rows.cuh"
 #include "spmm_kernel.cuh"
 
 namespace {
@@ -60,9 +61,12 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   MAGICUBE_CHECK(choice == "auto" || choice == "gather" || choice == "resident",
                  "MAGICUBE_SPMM_KERNEL must be auto, gather or resident, got ", choice);
   const auto* props = at::cuda::getCurrentDeviceProperties();
-  const int64_t smem = (static_cast<int64_t>(p.k) + 1) * sd::kResidentSliceBytes;
-  if (choice == "gather" || !fast || smem > static_cast<int64_t>(props->sharedMemPerBlockOptin)) return false;
   auto* kernel = sd::spmm_resident_kernel<AB, AS, BB>;
+  cudaFuncAttributes attrs;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attrs, kernel));
+  const int64_t smem = (static_cast<int64_t>(p.k) + 1) * sd::kResidentSliceBytes;
+  const int64_t smem_limit = static_cast<int64_t>(props->sharedMemPerBlockOptin) - attrs.sharedSizeBytes;
+  if (choice == "gather" || !fast || smem > smem_limit) return false;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, sd::kResidentThreads, smem));
@@ -102,7 +106,7 @@ void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
 at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order,
                      const at::Tensor& a_values, const at::Tensor& b, const std::optional<at::Tensor>& scale_a,
                      const std::optional<at::Tensor>& scale_b, int64_t v, int64_t m, int64_t a_bits, bool a_signed,
-                     int64_t b_bits, at::ScalarType out_dtype) {
+                     int64_t b_bits, at::ScalarType out_dtype, int64_t longest_row) {
   const at::Device device = b.device();
   check_cuda_tensor(b, "b", device);
   check_cuda_tensor(row_ptr, "row_ptr", device);
@@ -110,6 +114,8 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   check_cuda_tensor(row_order, "row_order", device);
   check_cuda_tensor(a_values, "a_values", device);
   MAGICUBE_CHECK(v == 2 || v == 4 || v == 8, "spmm: v must be 2, 4 or 8, got ", v);
+  MAGICUBE_CHECK(longest_row >= -1, "spmm: longest_row must be -1 (not known) or the most vectors a vector row ",
+                 "keeps, got ", longest_row);
   MAGICUBE_CHECK(row_ptr.scalar_type() == at::kInt && col_idx.scalar_type() == at::kInt &&
                   row_order.scalar_type() == at::kInt,
               "spmm: row_ptr, col_idx and row_order must be int32");
@@ -208,6 +214,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   p.row_bytes = static_cast<int>(row_bytes);
   p.copy_bytes = copy_bytes;
   p.out_int64 = out_dtype == at::kLong;
+  p.balance = magicube::long_rows(nnz_pad, vrows, longest_row, kSlots).candidates > 0;
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool fast = copy_bytes == 16;
@@ -235,7 +242,8 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
 TORCH_LIBRARY_FRAGMENT(magicube_cuda, m) {
   m.def(
       "spmm(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor a_values, Tensor b, Tensor? scale_a, "
-      "Tensor? scale_b, int v, int m, int a_bits, bool a_signed, int b_bits, ScalarType out_dtype) -> Tensor");
+      "Tensor? scale_b, int v, int m, int a_bits, bool a_signed, int b_bits, ScalarType out_dtype, int longest_row=-1) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(magicube_cuda, CUDA, m) { m.impl("spmm", &spmm_cuda); }

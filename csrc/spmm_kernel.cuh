@@ -71,6 +71,9 @@ struct Params {
   int row_bytes;        // bytes of one dense row of B
   int copy_bytes;       // generic path: 8 or 4 (cp.async piece) or 1 (synchronous bytes)
   bool out_int64;
+  // Resident-B kernel: warps take rows of about equal work (some row may be long, or it is not
+  // known), else every warps-th row.
+  bool balance;
 };
 
 // AB/BB: sparse/dense bits (16, 8, 4); 0/0 is the fp16 kernel. AS: sparse values signed.
@@ -547,6 +550,13 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
 // its sparse fragment straight from global memory, kAhead blocks ahead, then per block one
 // shuffle hands every lane the row of the slot its ldmatrix address serves (the same slot order
 // as the copied tile of the gather kernel, so the fragments are identical).
+//
+// Where a row may be long (csrc/long_rows.cuh), a warp's rows add up to an equal share of its
+// (slice, bh)'s blocks (plus one per row, for its epilogue), not a fixed count: with every
+// warps-th row of row_order, the warp holding a global token's row (128 blocks beside rows of 13,
+// L = 4096) ran 115 blocks more than the others and was the kernel's tail. The shares come from
+// a scan of the row lengths that each CTA runs while its slice loads (no host read of the
+// pattern); a mask without long rows (the longest_row hint) skips the scan, which costs 1-7 us.
 constexpr int kResidentWarps = 16;
 constexpr int kResidentThreads = 32 * kResidentWarps;
 constexpr int kResidentSliceBytes = 32;  // two 16-byte chunks: 32 columns of 8-bit B, 64 of 4-bit
@@ -582,29 +592,103 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
   cp_async_commit();
 
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x >> 5;
+  const int v = p.v;
+  const int vrows = p.m / v;
+
+  // A warp runs [run0, run1) of an order q of the positions that lists the round robin's rows
+  // warp by warp: q = w R + i stands for position w + i W (W warps in the (slice, bh), R =
+  // ceil(vrows / W)). Without p.balance warp w runs [w R, (w + 1) R): every W-th row. With it the
+  // runs hold equal work, and rows of equal work still give every warp about its round-robin
+  // rows, rows of similar length (neighbours in row_order) side by side: position q costs c_q =
+  // blocks + 1 (0 past the rows) and covers (S_q, S_q + c_q] of the running sum S, and warp w
+  // starts where the sum first reaches w T / W (T the total), after the one q whose
+  // (S_q W, (S_q + c_q) W] holds w T. Two scans of the row lengths: T, then the runs.
+  __shared__ int warp_sums[kResidentWarps];
+  __shared__ int run_start[kResidentWarps + 1];
+  const int share_warps = gridDim.x * kResidentWarps;
+  const int per_warp = (vrows + share_warps - 1) / share_warps;
+  const int virtual_rows = share_warps * per_warp;
+  auto position = [&](int q) { return q % per_warp * share_warps + q / per_warp; };
+  auto cost = [&](int q) {
+    const int pos = q < virtual_rows ? position(q) : vrows;
+    if (pos >= vrows) return 0;
+    const int vr = p.row_order[pos];
+    return (p.row_ptr[2 * vr + 1] - p.row_ptr[2 * vr] + kSlots - 1) / kSlots + 1;
+  };
+  // Exclusive prefix of x over the CTA's threads; adds the CTA's sum to total.
+  auto scan = [&](int x, int64_t& total) {
+    int incl = x;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    int before = 0, sum = 0;
+#pragma unroll
+    for (int i = 0; i < kResidentWarps; ++i) {
+      before += i < warp ? warp_sums[i] : 0;
+      sum += warp_sums[i];
+    }
+    __syncthreads();
+    total += sum;
+    return before + incl - x;
+  };
+  const int w0 = blockIdx.x * kResidentWarps;
+  int run0 = (w0 + warp) * per_warp, run1 = run0 + per_warp;  // the round robin
+  if (p.balance) {
+    int64_t total = 0;
+    for (int base = 0; base < virtual_rows; base += kResidentThreads) scan(cost(base + threadIdx.x), total);
+    if (threadIdx.x <= kResidentWarps) run_start[threadIdx.x] = (w0 + threadIdx.x == 0) ? 0 : virtual_rows;
+    int64_t before = 0;
+    for (int base = 0; base < virtual_rows; base += kResidentThreads) {
+      const int q = base + threadIdx.x;
+      const int c = cost(q);
+      int64_t chunk = 0;
+      const int64_t s0 = before + scan(c, chunk);  // (the scan's barriers order run_start's init)
+      before += chunk;
+      if (c > 0) {
+        // w with s0 W < w T <= (s0 + c) W, inside this CTA's warps (and the next CTA's first)
+        const int64_t lo = s0 * share_warps / total + 1, hi = (s0 + c) * share_warps / total;
+        const int64_t first_w = lo > w0 ? lo : w0, last_w = hi < w0 + kResidentWarps ? hi : w0 + kResidentWarps;
+        for (int64_t w = first_w; w <= last_w; ++w) run_start[w - w0] = q + 1;
+      }
+    }
+    __syncthreads();
+    run0 = run_start[warp];
+    run1 = run_start[warp + 1];
+  }
+
   // The slot whose row this lane's ldmatrix address reads: Kind::smem_row inverted.
   int my_slot = 0;
 #pragma unroll
   for (int s = 0; s < kSlots; ++s)
     if (K::smem_row(s) == lane) my_slot = s;
-  const int v = p.v;
   const bool row_live = g < v;
-  const int vrows = p.m / v;
-  const int warps = gridDim.x * kResidentWarps;
-  const int first = blockIdx.x * kResidentWarps + (threadIdx.x >> 5);
   const uint8_t* a_bh = p.a + bh * p.a_bh_bytes;
 
-  // A warp's rows are first + i * warps. Their pattern entries are read 32 rows at a time, lane i
-  // holding row i's, so that no row waits on the chain row_order -> row_ptr -> col_idx; and the
-  // first blocks of the next row are fetched while the last ones of the current row compute.
+  // A warp's rows' pattern entries are read 32 rows at a time, lane i holding row i's, so that no
+  // row waits on the chain row_order -> row_ptr -> col_idx; and the first blocks of the next row
+  // are fetched while the last ones of the current row compute.
   struct Row {
     int vrow, start, nblocks;
   };
   Row mine{0, 0, 0};
+  // A q past the rows (vrow -1) runs as an empty row that writes nothing. The order's shape is
+  // read back from shared memory (a copy per warp), not kept in registers across the row loop,
+  // which runs at the 128-register cap of 512 threads (kept live, it cost L8-R4 16 bytes of spills).
+  __shared__ int order_shape[kResidentWarps][3];
+  if (lane < 3) order_shape[warp][lane] = lane == 0 ? per_warp : lane == 1 ? share_warps : vrows;
+  __syncwarp();
   auto load_rows = [&](int base) {
-    const int w = base + lane * warps;
-    mine = Row{0, 0, 0};
-    if (w < vrows) {
+    const volatile int* shape = order_shape[warp];
+    const int r = shape[0], all_rows = shape[2];
+    const int q = base + lane;
+    const int w = q < run1 ? q % r * shape[1] + q / r : all_rows;
+    mine = Row{-1, 0, 0};
+    if (w < all_rows) {
       mine.vrow = p.row_order[w];
       mine.start = p.row_ptr[2 * mine.vrow];
       mine.nblocks = (p.row_ptr[2 * mine.vrow + 1] - mine.start + kSlots - 1) / kSlots;
@@ -633,19 +717,19 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
   };
 
   // The first rows' entries and blocks load while the slice does.
-  if (first < vrows) {
-    load_rows(first);
+  if (run0 < run1) {
+    load_rows(run0);
     fetch(row_at(0), 0);
   }
   cp_async_wait<0>();
   __syncthreads();
 
-  for (int base = first; base < vrows; base += 32 * warps) {
-    if (base != first) {
+  for (int base = run0; base < run1; base += 32) {
+    if (base != run0) {
       load_rows(base);
       fetch(row_at(0), 0);
     }
-    const int rows = min(32, (vrows - base + warps - 1) / warps);
+    const int rows = min(32, run1 - base);
     for (int i = 0; i < rows; ++i) {
       const Row row = row_at(i);
       const bool has_next = i + 1 < rows;
@@ -691,7 +775,8 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
           }
         }
       }
-      write_vector_row<AB, AS, BB, kMT>(p, r, bh, row.vrow, blockIdx.y * K::kColsPerChunk * kChunks, row.nblocks);
+      if (row.vrow >= 0)
+        write_vector_row<AB, AS, BB, kMT>(p, r, bh, row.vrow, blockIdx.y * K::kColsPerChunk * kChunks, row.nblocks);
     }
   }
 }

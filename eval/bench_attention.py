@@ -124,7 +124,7 @@ def run_config(b, h, seq, sparsity, mask_kind, reps, pipeline, log):
     def pipeline_fp16():
         sc = ops.sddmm(*pattern, q, k, None, None, V, 16, torch.float16, pat.longest_row)
         pr, _ = ops.sparse_softmax(*pattern, sc, V, scale, 0, pat.longest_row)
-        return ops.spmm(*pattern, pr, v, None, None, V, seq, 16, True, 16, torch.float16)
+        return ops.spmm(*pattern, pr, v, None, None, V, seq, 16, True, 16, torch.float16, pat.longest_row)
 
     if pipeline:
         add("pipeline fp16", pipeline_fp16, ref_sparse)
@@ -146,7 +146,7 @@ def run_config(b, h, seq, sparsity, mask_kind, reps, pipeline, log):
                       p_bits=p_bits, qk_bits=qk_bits):
             sc = ops.sddmm(*pattern, qq, kq, sq, sk, V, qk_bits, torch.float16, pat.longest_row)
             pr, rs = ops.sparse_softmax(*pattern, sc, V, scale, p_bits, pat.longest_row)
-            return ops.spmm(*pattern, pr, vq, rs, sv, V, seq, p_bits, False, qk_bits, torch.float16)
+            return ops.spmm(*pattern, pr, vq, rs, sv, V, seq, p_bits, False, qk_bits, torch.float16, pat.longest_row)
 
         if pipeline:
             add(f"pipeline {label}", three_ops, ref_sparse, quant_ms)

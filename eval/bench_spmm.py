@@ -74,7 +74,7 @@ def _quantized_spmm(cp, emask, bh: int, n: int, ab: int, bb: int, g):
     sa = torch.full((bh, m), 1e-3, device=dev)
     sb = torch.full((bh, n), 1e-3, device=dev)
     return lambda: torch.ops.magicube_cuda.spmm(cp.row_ptr, cp.col_idx, cp.row_order, av, bv, sa, sb, cp.v, m, ab,
-                                                True, bb, torch.float16)
+                                                True, bb, torch.float16, cp.longest_row)
 
 
 def run(cfg, reps: int, log=print, checkpoint=None):
@@ -121,7 +121,8 @@ def run(cfg, reps: int, log=print, checkpoint=None):
                     vals16 = cp.pack_values(dense_a)[None]
                     bb16 = b16[None]
                     add("sparse_fp16", _time(lambda: ops.spmm(cp.row_ptr, cp.col_idx, cp.row_order, vals16, bb16,
-                                                              None, None, v, m, 16, True, 16, torch.float16), reps))
+                                                              None, None, v, m, 16, True, 16, torch.float16,
+                                                              cp.longest_row), reps))
                     csr = dense_a.to_sparse_csr()
                     add("cusparse_fp16", _time(lambda: csr @ b16, reps, graph=False))
                     for ab, bb in PAIRS:

@@ -60,7 +60,7 @@ def spmm(pattern: SRBCRS, a_values: torch.Tensor, b: torch.Tensor, *, a_bits: in
     n = b.shape[2] * (2 if (b_bits == 4 and b.dtype == torch.uint8) else 1)
     sa, sb = _scales(scale_a, scale_b, bh, p.m, n, b.device)
     return _ops.spmm(p.row_ptr, p.col_idx, p.row_order, a_values.contiguous(), b.contiguous(), sa, sb, p.v, p.m,
-                     a_bits, a_signed, b_bits, out_dtype)
+                     a_bits, a_signed, b_bits, out_dtype, p.longest_row)
 
 
 def sddmm(pattern: SRBCRS, a: torch.Tensor, b: torch.Tensor, *, bits: int = 16, scale_a=None, scale_b=None,

@@ -23,8 +23,8 @@ SOFTMAX_BITS = (0, 4, 8, 16)
 SCHEMAS = {
     "spmm": "spmm(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor a_values, Tensor b, "
             "Tensor? scale_a, Tensor? scale_b, int v, int m, int a_bits, bool a_signed, int b_bits, "
-            "ScalarType out_dtype) -> Tensor",
-    # longest_row (here, in sparse_softmax and in sparse_attention): SRBCRS.longest_row, or -1 if not known; a hint
+            "ScalarType out_dtype, int longest_row=-1) -> Tensor",
+    # longest_row (here and in every op below but quantize): SRBCRS.longest_row, or -1 if not known; a hint
     # that spares a kernel work for long rows where there are none (any value gives the same function).
     "sddmm": "sddmm(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor a, Tensor b, "
              "Tensor? scale_a, Tensor? scale_b, int v, int bits, ScalarType out_dtype, int longest_row=-1) -> Tensor",
@@ -110,7 +110,8 @@ def _check_values(name, t, bh, elements, bits, signed, device):
     _check_tensor(name, t, dtype, shape=(bh, width), device=device)
 
 def check_spmm(row_ptr, col_idx, row_order, a_values, b, scale_a, scale_b, v, m, a_bits, a_signed, b_bits,
-               out_dtype):
+               out_dtype, longest_row=-1):
+    _check_longest_row(longest_row)
     device = a_values.device if isinstance(a_values, torch.Tensor) else None
     _check_pattern(row_ptr, col_idx, row_order, v, device)
     if m != row_ptr.numel() // 2 * v:
@@ -292,9 +293,9 @@ for _name in SCHEMAS:
 
 @torch.library.register_fake(f"{NAMESPACE}::spmm")
 def _spmm_fake(row_ptr, col_idx, row_order, a_values, b, scale_a, scale_b, v, m, a_bits, a_signed, b_bits,
-               out_dtype):
+               out_dtype, longest_row=-1):
     bh, m, n = check_spmm(row_ptr, col_idx, row_order, a_values, b, scale_a, scale_b, v, m, a_bits, a_signed,
-                          b_bits, out_dtype)
+                          b_bits, out_dtype, longest_row)
     return a_values.new_empty((bh, m, n), dtype=out_dtype)
 
 @torch.library.register_fake(f"{NAMESPACE}::sddmm")

@@ -50,8 +50,8 @@ def _check_exact(reduction: int, quantized: bool) -> None:
 
 
 def spmm(row_ptr, col_idx, row_order, a_values, b, scale_a, scale_b, v, m, a_bits, a_signed,
-         b_bits, out_dtype):
-    del row_order  # the result does not depend on the processing order
+         b_bits, out_dtype, longest_row=-1):
+    del row_order, longest_row  # the result depends on neither
     quantized = a_values.dtype != torch.float16
     a = _decode(a_values, a_bits, a_signed)  # [BH, nnz_pad*V]
     bm = _decode(b, b_bits)  # [BH, K, N]

@@ -36,8 +36,9 @@ def _softmax_args(out_bits=8, bh=2, rows=3, k=37, v=4):
     lambda: _spmm_args(16, 16),
 ])
 def test_opcheck_spmm(make):
-    _, args = make()
+    p, args = make()
     torch.library.opcheck(torch.ops.magicube.spmm.default, args)
+    torch.library.opcheck(torch.ops.magicube.spmm.default, (*args, p.longest_row))
 
 
 @pytest.mark.parametrize("bits, is_signed", [(4, True), (8, True), (12, True), (16, False), (4, False)])
@@ -102,15 +103,22 @@ def test_sparse_attention_longest_row_is_a_hint():
         torch.ops.magicube.sparse_attention(*args, -2)
 
 
-def test_sparse_softmax_longest_row_is_a_hint():
+@pytest.mark.parametrize("name, make", [("spmm", _spmm_args), ("sddmm", _sddmm_args),
+                                        ("sparse_softmax", _softmax_args)])
+def test_longest_row_is_a_hint(name, make):
     """Any longest_row gives the same function; below -1 it is refused by name."""
-    p, args = _softmax_args(8)
-    probs, row_scale = torch.ops.magicube.sparse_softmax(*args)
+    op = getattr(torch.ops.magicube, name)
+    p, args = make()
+
+    def outputs(*extra):  # sparse_softmax returns a pair, the others one tensor
+        out = op(*args, *extra)
+        return out if isinstance(out, tuple) else (out,)
+
+    want = outputs()
     for hint in (0, p.longest_row, 10**6):
-        got, got_scale = torch.ops.magicube.sparse_softmax(*args, hint)
-        assert torch.equal(got, probs) and torch.equal(got_scale, row_scale)
+        assert all(torch.equal(got, w) for got, w in zip(outputs(hint), want, strict=True))
     with pytest.raises(ValueError, match=r"longest_row: expected -1 \(not known\) or .*got -2"):
-        torch.ops.magicube.sparse_softmax(*args, -2)
+        op(*args, -2)
 
 
 def test_torch_compile_traces_the_pipeline():

@@ -43,14 +43,14 @@ def spmm_kernel(request, monkeypatch):
     return request.param
 
 
-def _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, out_dtype):
+def _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, out_dtype, longest_row=-1):
     """The kernel on CUDA copies, and the reference on the CPU tensors."""
     cuda = p.to("cuda")
     args = (a_values, b, sa, sb)
     dev = [x.cuda() if x is not None else None for x in args]
     poison_allocator(-0x5A5A5A5A5A5A5A5A, torch.int64)
     got = kernels.spmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev, v, p.m, a_bits, a_signed, b_bits,
-                       out_dtype)
+                       out_dtype, longest_row)
     torch.cuda.synchronize()
     want = torch.ops.magicube.spmm(p.row_ptr, p.col_idx, p.row_order, *args, v, p.m, a_bits, a_signed, b_bits,
                                    out_dtype)
@@ -174,6 +174,32 @@ def test_warps_take_several_rows(kernels, a_bits, b_bits, a_signed, v):
     sa, sb = _scales(bh, p.m, n, g, a_bits, b_bits)
     got, want = _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, torch.float16)
     assert torch.equal(got, want), "fp16 output differs"
+
+
+@pytest.mark.parametrize("a_bits, b_bits, a_signed", [(8, 8, True), (16, 8, False), (8, 4, True)],
+                         ids=["L8-R8", "L16u-R8", "L8-R4"])
+def test_global_rows(kernels, a_bits, b_bits, a_signed):
+    """A full row (32 blocks) among 300 rows of about one block, one empty: the resident-B
+    kernel's warps take runs of rows of about equal work, so the full row's warp takes fewer
+    others. With one CTA per slice (BH 5, 28 slices) and with many (BH 1: more warps than rows,
+    so some runs are empty); in length order, shuffled and reversed, and with longest_row given
+    (0: every warp its round-robin rows)."""
+    k, v, rows = 1024, 2, 300
+    g = torch.Generator().manual_seed(a_bits + b_bits)
+    mask = torch.rand(rows, k, generator=g) < 0.02
+    mask[5], mask[9], mask[17, :700] = True, False, True
+    sorted_p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
+    emask = VectorMask(mask, v).to_dense()
+    orders = {"length": sorted_p.row_order, "shuffled": sorted_p.row_order[torch.randperm(rows, generator=g)],
+              "reversed": sorted_p.row_order.flip(0)}
+    for bh, n in ((5, 32 * 27 + 16), (1, 32)):
+        a_values, b = _inputs(sorted_p, emask, bh, k, n, a_bits, a_signed, b_bits, g)
+        runs = [(name, order, -1) for name, order in orders.items()]
+        runs += [("length", sorted_p.row_order, hint) for hint in (sorted_p.longest_row, 0)]
+        for name, order, hint in runs:
+            p = SRBCRS(sorted_p.m, k, v, 32, sorted_p.row_ptr, sorted_p.col_idx, order.contiguous(), sorted_p.shuffled)
+            got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64, hint)
+            assert torch.equal(got, want), f"BH {bh}, {name} order, longest_row={hint}: {(got != want).sum()} mismatches"
 
 
 @pytest.mark.parametrize("n", [37, 6])
