@@ -37,6 +37,18 @@ def with_columns_shuffled(p: SRBCRS, generator) -> SRBCRS:
     return SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, col, p.row_order, p.shuffled)
 
 
+def with_row_order(p: SRBCRS, order: torch.Tensor) -> SRBCRS:
+    """p walked in another row_order: the function is the same for any permutation of the rows."""
+    return SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, p.col_idx, order.contiguous(), p.shuffled)
+
+
+def reordered(p: SRBCRS, generator) -> dict[str, SRBCRS]:
+    """p in a shuffled and in a reversed row_order, orders that do not put the longest rows first."""
+    rows = p.row_order.numel()
+    return {"shuffled": with_row_order(p, p.row_order[torch.randperm(rows, generator=generator)]),
+            "reversed": with_row_order(p, p.row_order.flip(0))}
+
+
 def load_kernels(family: str):
     """Build and load one kernel family; its ops are then under torch.ops.magicube_cuda."""
     from magicube.ops import extension

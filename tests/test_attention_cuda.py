@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from conftest import load_kernels, poison_allocator, problem, with_columns_shuffled
+from conftest import load_kernels, poison_allocator, problem, reordered, with_columns_shuffled
 from magicube.ops import (SRBCRS, VectorMask, absmax_scale, from_container, quantize, random_vector_mask,
                           to_container)
 
@@ -307,8 +307,7 @@ def test_global_rows(kernels, p_bits, qk_bits):
     assert torch.equal(kernels.sparse_attention(*args, p.longest_row).transpose(1, 2).reshape(bh, p.m, d).cpu(), got)
     on_warps = kernels.sparse_attention(*args, 0).transpose(1, 2).reshape(bh, p.m, d).cpu()
     check(p, emask, inputs, on_warps, want, v, d**-0.5, qk_bits, p_bits, "global rows, longest_row=0")
-    for name, order in (("shuffled", p.row_order[torch.randperm(rows, generator=g)]), ("reversed", p.row_order.flip(0))):
-        other = SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, p.col_idx, order.contiguous(), p.shuffled)
+    for name, other in reordered(p, g).items():
         got = run_both(kernels, other, inputs, v, d**-0.5, qk_bits, p_bits)[0]
         check(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, f"global rows, {name} row_order")
 

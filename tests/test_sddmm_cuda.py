@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import load_kernels, poison_allocator, problem, random_ints, with_columns_shuffled
+from conftest import load_kernels, poison_allocator, problem, random_ints, reordered, with_columns_shuffled, with_row_order
 from magicube.ops import SRBCRS, VectorMask, qrange, to_container
 from magicube.ops.format import value_coordinates
 
@@ -142,8 +142,7 @@ def test_rows_of_every_block_count(kernels, bits, v):
     for i, c in enumerate(counts):
         mask[i, torch.randperm(n, generator=g)[:c]] = True
     p = SRBCRS.from_mask(VectorMask(mask, v), stride=32, shuffle=v == 8)
-    p = SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, p.col_idx,
-               p.row_order[torch.randperm(len(counts), generator=g)].contiguous(), p.shuffled)
+    p = with_row_order(p, p.row_order[torch.randperm(len(counts), generator=g)])
     bh = 3
     for k in (64, 160):
         _check_random_operands(kernels, p, bh, n, k, v, bits, g, f"K={k}")
@@ -177,8 +176,7 @@ def test_global_rows(kernels, bits):
     assert p.longest_row == n
     for hint in (-1, p.longest_row, 0):
         _check_random_operands(kernels, p, bh, n, k, v, bits, g, f"global rows, longest_row={hint}", hint)
-    for name, order in (("shuffled", p.row_order[torch.randperm(rows, generator=g)]), ("reversed", p.row_order.flip(0))):
-        other = SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, p.col_idx, order.contiguous(), p.shuffled)
+    for name, other in reordered(p, g).items():
         _check_random_operands(kernels, other, bh, n, k, v, bits, g, f"global rows, {name} row_order")
 
 
@@ -192,8 +190,7 @@ def test_padding_is_zero_and_row_order_irrelevant(kernels):
     _, col = value_coordinates(p.row_ptr, p.col_idx, v, 32)
     assert (col < 0).any() and (got[:, col < 0] == 0).all()
     assert torch.equal(got, want)
-    reordered = SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, p.col_idx, p.row_order.flip(0), p.shuffled)
-    got2, _ = _run(kernels, reordered, a, b, None, None, v, 8, torch.int64)
+    got2, _ = _run(kernels, with_row_order(p, p.row_order.flip(0)), a, b, None, None, v, 8, torch.int64)
     assert torch.equal(got2, got)
 
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import load_kernels, problem
+from conftest import load_kernels, problem, reordered
 from magicube.ops import SRBCRS, VectorMask, from_container
 from magicube.ops.format import value_coordinates
 
@@ -112,8 +112,7 @@ def test_global_rows(kernels, out_bits, v):
     for hint in (-1, p.longest_row, 0):
         result = _run(kernels, p, values, scale, out_bits, hint)
         _check(p, values, col, scale, out_bits, result, f"global rows, longest_row={hint}")
-    for name, order in (("shuffled", p.row_order[torch.randperm(rows, generator=g)]), ("reversed", p.row_order.flip(0))):
-        other = SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, p.col_idx, order.contiguous(), p.shuffled)
+    for name, other in reordered(p, g).items():
         _check(p, values, col, scale, out_bits, _run(kernels, other, values, scale, out_bits), f"{name} row_order")
 
 

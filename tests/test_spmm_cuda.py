@@ -9,7 +9,7 @@ fp32 accumulation plus one fp16 rounding, measured against a float64 product.
 import pytest
 import torch
 
-from conftest import load_kernels, poison_allocator, problem, random_ints
+from conftest import load_kernels, poison_allocator, problem, random_ints, reordered
 from magicube.ops import SRBCRS, VectorMask, qrange, to_container
 
 pytestmark = [pytest.mark.gpu,
@@ -188,17 +188,15 @@ def test_global_rows(kernels, a_bits, b_bits, a_signed):
     g = torch.Generator().manual_seed(a_bits + b_bits)
     mask = torch.rand(rows, k, generator=g) < 0.02
     mask[5], mask[9], mask[17, :700] = True, False, True
-    sorted_p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
+    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
     emask = VectorMask(mask, v).to_dense()
-    orders = {"length": sorted_p.row_order, "shuffled": sorted_p.row_order[torch.randperm(rows, generator=g)],
-              "reversed": sorted_p.row_order.flip(0)}
+    orders = {"length": p, **reordered(p, g)}
     for bh, n in ((5, 32 * 27 + 16), (1, 32)):
-        a_values, b = _inputs(sorted_p, emask, bh, k, n, a_bits, a_signed, b_bits, g)
-        runs = [(name, order, -1) for name, order in orders.items()]
-        runs += [("length", sorted_p.row_order, hint) for hint in (sorted_p.longest_row, 0)]
-        for name, order, hint in runs:
-            p = SRBCRS(sorted_p.m, k, v, 32, sorted_p.row_ptr, sorted_p.col_idx, order.contiguous(), sorted_p.shuffled)
-            got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64, hint)
+        a_values, b = _inputs(p, emask, bh, k, n, a_bits, a_signed, b_bits, g)
+        runs = [(name, other, -1) for name, other in orders.items()]
+        runs += [("length", p, hint) for hint in (p.longest_row, 0)]
+        for name, other, hint in runs:
+            got, want = _run(kernels, other, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64, hint)
             assert torch.equal(got, want), f"BH {bh}, {name} order, longest_row={hint}: {(got != want).sum()} mismatches"
 
 
