@@ -248,8 +248,7 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
   MAGICUBE_CHECK(bh <= 65535 && vrows <= INT32_MAX && n < INT32_MAX && m < INT32_MAX,
               "sparse_attention: BH must be <= 65535 and M, N < 2^31");
   MAGICUBE_CHECK(heads >= 1 && bh % heads == 0, "sparse_attention: heads must divide BH = ", bh, ", got ", heads);
-  MAGICUBE_CHECK(longest_row >= -1, "sparse_attention: longest_row must be -1 (not known) or the most vectors a ",
-                 "vector row keeps, got ", longest_row);
+  magicube::check_longest_row("sparse_attention", longest_row);
   Params p{};  // fp16 inputs leave the scales null
   bool split = false;
   if (op != kHalf) {

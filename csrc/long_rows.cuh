@@ -1,5 +1,6 @@
 // Which vector rows count as long, for the kernels that give such a row a CTA of its own
-// (attention.cu, sddmm.cu, softmax.cu). Host code only.
+// (attention.cu, sddmm.cu, softmax.cu), or whose warps take shares of equal work (spmm.cu).
+// Host code only.
 //
 // A row keeping more than 8 mean rows' worth of slots (a global token's row) would be its
 // kernel's tail on one warp. At most nnz_pad / (slots + 1) rows can be that long, so a launch of
@@ -12,6 +13,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "check.cuh"
+
 namespace magicube {
 
 struct LongRows {
@@ -22,6 +25,12 @@ struct LongRows {
 // Blocks of `stride` slots in a row of mean length, rounded up; known without reading the pattern.
 inline int64_t mean_blocks(int64_t nnz_pad, int64_t vrows, int64_t stride) {
   return vrows > 0 ? (nnz_pad / stride + vrows - 1) / vrows : 0;
+}
+
+// The ops take longest_row from the caller; a wrong hint only costs time, a negative one is a bug.
+inline void check_longest_row(const char* op, int64_t longest_row) {
+  MAGICUBE_CHECK(longest_row >= -1, op, ": longest_row must be -1 (not known) or the most vectors a vector row ",
+                 "keeps, got ", longest_row);
 }
 
 inline LongRows long_rows(int64_t nnz_pad, int64_t vrows, int64_t longest_row, int64_t stride) {

@@ -489,8 +489,7 @@ at::Tensor sddmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx,
   MAGICUBE_CHECK(nnz_pad % S == 0, "sddmm: col_idx length (", nnz_pad,
               ") must be a multiple of the stride ", S);
   MAGICUBE_CHECK(nnz_pad / S < INT32_MAX, "sddmm: col_idx is too long");
-  MAGICUBE_CHECK(longest_row >= -1, "sddmm: longest_row must be -1 (not known) or the most vectors a vector row ",
-                 "keeps, got ", longest_row);
+  magicube::check_longest_row("sddmm", longest_row);
 
   const float* sa = nullptr;
   const float* sb = nullptr;

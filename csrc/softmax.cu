@@ -335,8 +335,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_softmax_cuda(const at::Tensor& row_ptr
   MAGICUBE_CHECK(v == 2 || v == 4 || v == 8, "sparse_softmax: v must be 2, 4 or 8, got ", v);
   MAGICUBE_CHECK(out_bits == 0 || out_bits == 16 || out_bits == 8 || out_bits == 4,
               "sparse_softmax: out_bits must be 0, 16, 8 or 4, got ", out_bits);
-  MAGICUBE_CHECK(longest_row >= -1, "sparse_softmax: longest_row must be -1 (not known) or the most vectors a ",
-              "vector row keeps, got ", longest_row);
+  magicube::check_longest_row("sparse_softmax", longest_row);
   MAGICUBE_CHECK(values.is_cuda(), "sparse_softmax: values must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(values.device());
   for (const auto* p : {&row_ptr, &col_idx, &row_order}) {

@@ -114,8 +114,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   check_cuda_tensor(row_order, "row_order", device);
   check_cuda_tensor(a_values, "a_values", device);
   MAGICUBE_CHECK(v == 2 || v == 4 || v == 8, "spmm: v must be 2, 4 or 8, got ", v);
-  MAGICUBE_CHECK(longest_row >= -1, "spmm: longest_row must be -1 (not known) or the most vectors a vector row ",
-                 "keeps, got ", longest_row);
+  magicube::check_longest_row("spmm", longest_row);
   MAGICUBE_CHECK(row_ptr.scalar_type() == at::kInt && col_idx.scalar_type() == at::kInt &&
                   row_order.scalar_type() == at::kInt,
               "spmm: row_ptr, col_idx and row_order must be int32");

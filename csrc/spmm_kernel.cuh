@@ -569,6 +569,12 @@ __device__ __forceinline__ uint32_t slice_offset(int row, int chunk) {
   return row * kResidentSliceBytes + ((chunk ^ ((row >> 2) & 1)) << 4);
 }
 
+// Position in row_order of entry q of the order that lists the round robin's rows warp by warp
+// (described in spmm_resident_kernel).
+__device__ __forceinline__ int round_robin_position(int q, int per_warp, int share_warps) {
+  return q % per_warp * share_warps + q / per_warp;
+}
+
 template <int AB, bool AS, int BB>
 __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const Params p) {
   static_assert(BB == 8 || BB == 4, "8- or 4-bit B");
@@ -609,9 +615,8 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
   const int share_warps = gridDim.x * kResidentWarps;
   const int per_warp = (vrows + share_warps - 1) / share_warps;
   const int virtual_rows = share_warps * per_warp;
-  auto position = [&](int q) { return q % per_warp * share_warps + q / per_warp; };
   auto cost = [&](int q) {
-    const int pos = q < virtual_rows ? position(q) : vrows;
+    const int pos = q < virtual_rows ? round_robin_position(q, per_warp, share_warps) : vrows;
     if (pos >= vrows) return 0;
     const int vr = p.row_order[pos];
     return (p.row_ptr[2 * vr + 1] - p.row_ptr[2 * vr] + kSlots - 1) / kSlots + 1;
@@ -684,9 +689,9 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
   __syncwarp();
   auto load_rows = [&](int base) {
     const volatile int* shape = order_shape[warp];
-    const int r = shape[0], all_rows = shape[2];
+    const int all_rows = shape[2];
     const int q = base + lane;
-    const int w = q < run1 ? q % r * shape[1] + q / r : all_rows;
+    const int w = q < run1 ? round_robin_position(q, shape[0], shape[1]) : all_rows;
     mine = Row{-1, 0, 0};
     if (w < all_rows) {
       mine.vrow = p.row_order[w];
