@@ -91,7 +91,9 @@ def run(cfg, reps: int, log=print, checkpoint=None):
             b16 = torch.randn(k, n, device=dev, generator=g).half()
             dense_ms = _time(lambda: torch.matmul(a16, b16), reps)
             a8 = torch.randint(-128, 128, (m, k), device=dev, dtype=torch.int8, generator=g)
-            b8 = torch.randint(-128, 128, (k, n), device=dev, dtype=torch.int8, generator=g)
+            # B column-major, the layout cuBLASLt's int8 tensor-core GEMM takes: a row-major B sends
+            # torch._int_mm to a far slower kernel, which would flatter every sparse kernel here.
+            b8 = torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8, generator=g).t()
             int_mm_ms = _time(lambda: torch._int_mm(a8, b8), reps)
             base = dict(m=m, k=k, n=n)
             records.append(dict(base, kernel="cublas_fp16", ms=dense_ms, tops=2 * m * n * k / dense_ms / 1e9,
