@@ -359,15 +359,13 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
     if constexpr (!C::kFp16) {
       if (live && !sk_uniform) kr.sk = *strided(sk_base, col_l, p.sk_step);
     }
+    // A dead slot (padding) loads key row 0 instead: its score is never kept, and an
+    // unconditional load spares the zeroing and the predicated copies around it.
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const int c = __shfl_sync(0xffffffffu, col_l, 8 * n + g);
-      if (static_cast<uint32_t>(c) < n_cols) {
-        ldg_words<C::kLaneBytes>(kr.raw[n], key_base + static_cast<uint64_t>(static_cast<uint32_t>(c)) * RB);
-      } else {
-#pragma unroll
-        for (int i = 0; i < NW; ++i) kr.raw[n][i] = 0u;
-      }
+      const uint32_t row = static_cast<uint32_t>(c) < n_cols ? static_cast<uint32_t>(c) : 0u;
+      ldg_words<C::kLaneBytes>(kr.raw[n], key_base + static_cast<uint64_t>(row) * RB);
     }
   };
 
@@ -470,13 +468,13 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   // spill or cost occupancy (16-bit keys of d 64 and any of d 128); fp16 at d 64, whose shared
   // memory allows 3 CTAs per SM anyway, has the registers.
   constexpr bool kKeysAhead = C::kLaneBytes <= 16 || (C::kFp16 && C::kLaneBytes <= 32);
-  Keys cur;
+  // Two key buffers take turns (the loop unrolled by two): a copy of the next block's keys
+  // into the current one cost some 20 moves a block.
+  Keys keys_a, keys_b;
   int col_next = nbw > 1 ? col_of(1) : -1;
-  if (kKeysAhead && nbw > 0) load_keys(col_of(0), cur);
-#pragma unroll 1
-  for (int j = 0; j < nbw; ++j) {
+  if (kKeysAhead && nbw > 0) load_keys(col_of(0), keys_a);
+  auto pass1_block = [&](int j, Keys& cur, Keys& next) {
     uint32_t h[4], bits;
-    Keys next;
     if constexpr (kKeysAhead) {
       if (j + 1 < nbw) load_keys(col_next, next);
       if (j + 2 < nbw) col_next = col_of(j + 2);
@@ -486,7 +484,11 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
     block_scores(cur, h, bits);
     if (j < p.cached) cache_store(j, h, cur.live);
     block_max(h, bits);
-    if constexpr (kKeysAhead) cur = next;
+  };
+#pragma unroll 1
+  for (int j = 0; j < nbw; j += 2) {
+    pass1_block(j, keys_a, keys_b);
+    if (j + 1 < nbw) pass1_block(j + 1, keys_b, keys_a);
   }
   __syncwarp();  // lane 0's block masks, for every lane of pass 2
   const float hm = fmaxf(half_lo(hmax), half_hi(hmax));
@@ -589,7 +591,9 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
 #pragma unroll
         for (int x = 0; x < 2; ++x) {
           sum += e[n][x];
-          q[n][x] = __float2uint_rn(fminf(e[n][x] * kQmax, kQmax));
+          // x <= 0, so e <= 1 + 2^-22 (ex2.approx: 2 ulp) and e * qmax rounds to at most qmax: no
+          // clamp, as in the reference.
+          q[n][x] = __float2uint_rn(e[n][x] * kQmax);
         }
       // B fragment: k = 4t + i <-> slots 2t, 2t+1, 8+2t, 9+2t (b0) and 16 + the same (b1).
       uint32_t pb[C::kPPlanes][2];
