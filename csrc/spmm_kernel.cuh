@@ -412,16 +412,21 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
       for (int q = 0; q < kCopyRows; ++q) c[q] = cols[blk * kSlots + cslot + kSlotStep * q];
     }
   };
+  // The thread's chunk of every row it copies starts here (a chunk past N reads nothing, from
+  // the row's start), and a dead slot (padding) reads nothing from row 0: every address stays in
+  // B, and with the row and stride unsigned 32-bit it is one wide multiply-add.
+  const bool chunk_in = cbyte < p.row_bytes;
+  const uint8_t* const b_chunk = b_bh + (chunk_in ? cbyte : 0);
   auto issue = [&](int blk, const int (&c)[kCopyRows]) {
     const uint32_t stage = smem0 + (blk % kStages) * kStageBytes;
 #pragma unroll
     for (int q = 0; q < kCopyRows; ++q) {
-      const bool live = c[q] >= 0 && c[q] < p.k;
-      const uint8_t* src = b_bh + (live ? (int64_t)c[q] * p.row_bytes : 0) + cbyte;
+      const bool live = static_cast<uint32_t>(c[q]) < static_cast<uint32_t>(p.k);
+      const uint8_t* src =
+          b_chunk + static_cast<uint64_t>(live ? static_cast<uint32_t>(c[q]) : 0u) * static_cast<uint32_t>(p.row_bytes);
       const uint32_t dst = stage + cdst[q];
       if constexpr (FAST) {
-        const bool in = live && cbyte < p.row_bytes;
-        cp_async16(dst, in ? src : p.b, in ? 16 : 0);
+        cp_async16(dst, src, live && chunk_in ? 16 : 0);
       } else if (p.copy_bytes >= 4) {
         for (int piece = 0; piece < 16; piece += p.copy_bytes) {
           const bool in = live && cbyte + piece < p.row_bytes;
