@@ -193,19 +193,6 @@ struct QkAcc {
   int ll[OP == kInt16 ? 4 : 1];  // lo x lo
 };
 
-// A loop-invariant value kept in a register: the compiler would otherwise recompute it from the
-// thread index at every tile copy (some 20 instructions per tile).
-__device__ __forceinline__ uint32_t pinned(uint32_t x) {
-  asm volatile("" : "+r"(x));
-  return x;
-}
-template <typename T>
-__device__ __forceinline__ T* pinned(T* x) {
-  auto u = reinterpret_cast<uintptr_t>(x);
-  asm volatile("" : "+l"(u));
-  return reinterpret_cast<T*>(u);
-}
-
 __device__ __forceinline__ uint32_t pack_half2(__half a, __half b) {
   return static_cast<uint32_t>(__half_as_ushort(a)) | (static_cast<uint32_t>(__half_as_ushort(b)) << 16);
 }
