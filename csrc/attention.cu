@@ -12,6 +12,7 @@
 
 #include "attention_kernel.cuh"
 #include "check.cuh"
+#include "launch.cuh"
 #include "long_rows.cuh"
 
 namespace {
@@ -47,31 +48,6 @@ uint32_t check_scale(const at::Tensor& t, const char* name, int64_t bh, int64_t 
   return static_cast<uint32_t>(step);
 }
 
-// A fresh allocation is 256-byte aligned; a view with an odd storage offset is copied once so the
-// 16-byte loads and asynchronous copies stay legal.
-at::Tensor aligned16(const at::Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
-}
-
-// The dynamic shared memory an instantiation may take, its attribute set once per device, so that
-// a launch inside a graph capture makes no other call. The opt-in limit covers static and dynamic
-// shared memory together.
-template <int OP, int PB, int D, int DV, bool SPLIT>
-int max_dynamic_smem(const cudaDeviceProp* prop) {
-  auto kernel = magicube::attention_detail::attention_kernel<OP, PB, D, DV, SPLIT>;
-  static int dynamic_limit[256] = {};
-  const int device = c10::cuda::current_device();
-  MAGICUBE_CHECK(device < 256, "sparse_attention: device index ", device, " out of range");
-  if (dynamic_limit[device] == 0) {
-    cudaFuncAttributes attributes;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-    const int limit = static_cast<int>(prop->sharedMemPerBlockOptin - attributes.sharedSizeBytes);
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
-    dynamic_limit[device] = limit;
-  }
-  return dynamic_limit[device];
-}
-
 // The kernel over `groups` row groups of every batch x head, rasterized in windows of batch x heads
 // (the kernel's comment): as many as keep their keys and values within a third of L2. On an H100
 // (50 MB L2, B 8, H 4, L 4096, sparsity 0.9), all 32 batch x heads of 8-bit inputs (16 MB) together
@@ -95,7 +71,7 @@ template <int OP, int PB, int D, int DV, bool SPLIT>
 void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, int64_t longest_row, cudaStream_t stream) {
   using C = Cfg<OP, PB, D, DV>;
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  const int max_smem = max_dynamic_smem<OP, PB, D, DV, SPLIT>(prop);
+  const int max_smem = magicube::max_dynamic_smem<magicube::attention_detail::attention_kernel<OP, PB, D, DV, SPLIT>>();
   // Score cache: the blocks a warp gets from a row of mean length (every row, for the balanced
   // masks of the paper). Longer rows recompute their last blocks' scores. Whole rows take a cache
   // that leaves room for 4 CTAs (16 warps) per SM where a mean row's fits, else 3; split rows as
@@ -136,7 +112,7 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, int64_t longes
     // random mask pays for the CTAs that return at once: 149.0 -> 150.5 us.
     const magicube::LongRows lr = magicube::long_rows(nnz_pad, vrows, longest_row, kSlots);
     if (lr.candidates > 0) {
-      const int split_smem = max_dynamic_smem<OP, PB, D, DV, true>(prop);
+      const int split_smem = magicube::max_dynamic_smem<magicube::attention_detail::attention_kernel<OP, PB, D, DV, true>>();
       MAGICUBE_CHECK(smem <= split_smem, "sparse_attention: needs ", smem,
                      " bytes of shared memory per block for the long rows, the device has ", split_smem);
       p.long_rows = static_cast<int>(lr.candidates);
@@ -277,7 +253,7 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
   at::Tensor out = at::empty({bh / heads, m, heads, dv}, query_in.options().dtype(at::kHalf));
   if (bh == 0 || vrows == 0) return out;
   if (n == 0) return out.zero_();
-  const at::Tensor query = aligned16(query_in), key = aligned16(key_in), value = aligned16(value_in);
+  const at::Tensor query = magicube::aligned16(query_in), key = magicube::aligned16(key_in), value = magicube::aligned16(value_in);
 
   p.row_ptr = row_ptr.data_ptr<int>();
   p.col_idx = col_idx.data_ptr<int>();

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "check.cuh"
+#include "launch.cuh"
 #include "long_rows.cuh"
 #include "spmm_kernel.cuh"
 
@@ -23,12 +24,6 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& 
   MAGICUBE_CHECK(t.is_cuda(), "spmm: ", name, " must be a CUDA tensor");
   MAGICUBE_CHECK(t.device() == device, "spmm: ", name, " must be on b's device");
   MAGICUBE_CHECK(t.is_contiguous(), "spmm: ", name, " must be contiguous");
-}
-
-// A fresh allocation is 256-byte aligned; a view with an odd storage offset is copied once so
-// the 16-byte asynchronous copies stay legal.
-at::Tensor aligned16(const at::Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
 }
 
 template <int AB, bool AS, int BB>
@@ -60,14 +55,11 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const std::string choice = env ? env : "auto";
   MAGICUBE_CHECK(choice == "auto" || choice == "gather" || choice == "resident",
                  "MAGICUBE_SPMM_KERNEL must be auto, gather or resident, got ", choice);
-  const auto* props = at::cuda::getCurrentDeviceProperties();
-  auto* kernel = sd::spmm_resident_kernel<AB, AS, BB>;
-  cudaFuncAttributes attrs;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attrs, kernel));
+  if (choice == "gather" || !fast) return false;
+  constexpr auto kernel = sd::spmm_resident_kernel<AB, AS, BB>;
   const int64_t smem = (static_cast<int64_t>(p.k) + 1) * sd::kResidentSliceBytes;
-  const int64_t smem_limit = static_cast<int64_t>(props->sharedMemPerBlockOptin) - attrs.sharedSizeBytes;
-  if (choice == "gather" || !fast || smem > smem_limit) return false;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  if (smem > magicube::max_dynamic_smem<kernel>()) return false;
+  const auto* props = at::cuda::getCurrentDeviceProperties();
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, sd::kResidentThreads, smem));
   const int64_t slices = (p.row_bytes + sd::kResidentSliceBytes - 1) / sd::kResidentSliceBytes;
@@ -183,7 +175,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   at::Tensor out = at::empty({bh, m, n}, b.options().dtype(out_dtype));
   if (out.numel() == 0) return out;
 
-  const at::Tensor a_al = aligned16(a_values);
+  const at::Tensor a_al = magicube::aligned16(a_values);
   const int64_t row_bytes = b.size(2) * b.element_size();
   // Widest copy that every dense row start admits.
   const uintptr_t base = reinterpret_cast<uintptr_t>(b.data_ptr());
