@@ -7,6 +7,9 @@
 #include <c10/cuda/CUDAFunctions.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "check.cuh"
 
@@ -35,6 +38,23 @@ int max_dynamic_smem() {
     dynamic_limit[device] = limit;
   }
   return dynamic_limit[device];
+}
+
+// CTAs of `Kernel` an SM holds at `threads` threads and `smem` bytes of dynamic shared memory,
+// queried once per (device, threads, smem): the runtime query costs a microsecond or so per
+// launch, and a layer launches the same few shapes again and again.
+template <auto Kernel>
+int max_active_ctas(int threads, int64_t smem) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int, int64_t>, int> known;
+  const auto key = std::make_tuple(static_cast<int>(c10::cuda::current_device()), threads, smem);
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, static_cast<size_t>(smem)));
+  known.emplace(key, per_sm);
+  return per_sm;
 }
 
 }  // namespace magicube

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "check.cuh"
+#include "launch.cuh"
 
 namespace {
 
@@ -150,11 +151,7 @@ void launch(const at::Tensor& x, const at::Tensor& scale, at::Tensor& out) {
 
   // Resident blocks only: each thread walks several groups, so its one division pays off.
   constexpr int threads = 256;
-  static const int per_sm = [] {
-    int n = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, quantize_kernel<T, BITS, SIGNED>, threads, 0));
-    return std::max(n, 1);
-  }();
+  const int per_sm = std::max(magicube::max_active_ctas<quantize_kernel<T, BITS, SIGNED>>(threads, 0), 1);
   const int64_t blocks = std::min<int64_t>((groups + threads - 1) / threads,
                                            static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * per_sm);
   int64_t rest = blocks * threads;

@@ -60,8 +60,7 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const int64_t smem = (static_cast<int64_t>(p.k) + 1) * sd::kResidentSliceBytes;
   if (smem > magicube::max_dynamic_smem<kernel>()) return false;
   const auto* props = at::cuda::getCurrentDeviceProperties();
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, sd::kResidentThreads, smem));
+  const int per_sm = magicube::max_active_ctas<kernel>(sd::kResidentThreads, smem);
   const int64_t slices = (p.row_bytes + sd::kResidentSliceBytes - 1) / sd::kResidentSliceBytes;
   const int64_t groups = std::clamp<int64_t>(props->multiProcessorCount * std::max(per_sm, 1) / (slices * bh), 1,
                                              (vrows + sd::kResidentWarps - 1) / sd::kResidentWarps);

@@ -593,8 +593,11 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
   constexpr int kChunks = kResidentSliceBytes / 16;
   constexpr int kMT = kChunks * K::kColsPerChunk / 16;
   // Blocks whose indices and sparse values are in flight: 4, or 2 where four would spill at 128
-  // registers (16-bit values with four m-tiles, and L4-R4).
-  constexpr int kAhead = K::kAPlanes * kMT > 4 || (AB == 4 && BB == 4) ? 2 : 4;
+  // registers (16-bit values with four m-tiles).
+  constexpr int kAhead = K::kAPlanes * kMT > 4 ? 2 : 4;
+  // 4-bit sparse values wait packed, one register a block, and are widened when used: widened in
+  // flight, L4-R4 spilled at four blocks ahead and ran two.
+  constexpr bool kPacked = AB == 4;
   extern __shared__ __align__(128) uint8_t slice[];
   const uint32_t slice0 = smem_addr(slice);
   const int bh = blockIdx.z;
@@ -717,6 +720,7 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
 
   int col_next[kAhead];
   uint32_t sb_next[kAhead][K::kAPlanes][2];
+  uint32_t packed_next[kAhead];
   auto fetch = [&](const Row& row, int blk0) {
     const int* cols = p.col_idx + row.start;
     const uint8_t* a_row = a_bh + (int64_t)row.start * v * K::kSparseRowBytes / kSlots;
@@ -726,9 +730,13 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
       const bool in = blk < row.nblocks;
       col_next[j] = in ? cols[blk * kSlots + lane] : -1;
       const uint8_t* a_blk = a_row + (int64_t)blk * v * K::kSparseRowBytes;
-      sparse_fragment<K>(g, t, row_live && in,
-                         [&](int off) { return *reinterpret_cast<const uint32_t*>(a_blk + off); },
-                         [&](int off) { return *reinterpret_cast<const uint2*>(a_blk + off); }, sb_next[j]);
+      if constexpr (kPacked) {
+        packed_next[j] = row_live && in ? *reinterpret_cast<const uint32_t*>(a_blk + g * K::kSparseRowBytes + 4 * t) : 0u;
+      } else {
+        sparse_fragment<K>(g, t, row_live && in,
+                           [&](int off) { return *reinterpret_cast<const uint32_t*>(a_blk + off); },
+                           [&](int off) { return *reinterpret_cast<const uint2*>(a_blk + off); }, sb_next[j]);
+      }
     }
   };
 
@@ -756,11 +764,16 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
       for (int blk0 = 0; blk0 < row.nblocks; blk0 += kAhead) {
         int col[kAhead];
         uint32_t sb[kAhead][K::kAPlanes][2];
+        uint32_t packed[kAhead];
 #pragma unroll
         for (int j = 0; j < kAhead; ++j) {
           col[j] = col_next[j];
+          if constexpr (kPacked) {
+            packed[j] = packed_next[j];
+          } else {
 #pragma unroll
-          for (int pa = 0; pa < K::kAPlanes; ++pa) sb[j][pa][0] = sb_next[j][pa][0], sb[j][pa][1] = sb_next[j][pa][1];
+            for (int pa = 0; pa < K::kAPlanes; ++pa) sb[j][pa][0] = sb_next[j][pa][0], sb[j][pa][1] = sb_next[j][pa][1];
+          }
         }
         if (blk0 + kAhead < row.nblocks) fetch(row, blk0 + kAhead);
         else if (has_next) fetch(row_at(i + 1), 0);
@@ -770,6 +783,10 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
           // Dead slots (padding) read the zero row K.
           const int live = col[j] >= 0 && col[j] < p.k ? col[j] : p.k;
           const int krow = __shfl_sync(0xffffffffu, live, my_slot);
+          if constexpr (kPacked) {
+            sb[j][0][0] = low_nibbles_x16(packed[j]);
+            sb[j][0][1] = high_nibbles_x16(packed[j]);
+          }
 #pragma unroll
           for (int c = 0; c < kChunks; ++c) {
             uint32_t q[4];
