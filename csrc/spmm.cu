@@ -45,9 +45,11 @@ void launch(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, boo
 // or gather forces the choice (tests, benchmarks). By default it runs where it paid on an H100:
 // on B rows of at most a quarter of the gather kernel's tile (64 bytes for 8-bit B), whose tiles
 // are then mostly zeros (2-4.7x faster at batch x heads 32, K 4096, N 64: the attention
-// pipeline's product), and on rows of half a tile with at least 256 KB of gathers per CTA. On
-// full tiles the gather kernel runs at L2 bandwidth and the shared-memory gathers lose to bank
-// conflicts (N 256: 10.5 against 14.2 us). Returns whether it ran.
+// pipeline's product), and on rows of half a tile with at least V x 40 KB of gathers per CTA
+// (V 2: 93 KB won, 8.7 against 10.6 us, and 64 KB lost, 5.1 against 4.6; V 8: 624 KB won, 208 KB
+// lost, 10.7 against 9.2). On full tiles the gather kernel runs at L2 bandwidth and the
+// shared-memory gathers lose to bank conflicts (N 256: 10.5 against 14.2 us). Returns whether it
+// ran.
 template <int AB, bool AS, int BB>
 bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast) {
   namespace sd = magicube::spmm_detail;
@@ -67,7 +69,7 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const int64_t ctas = groups * slices * bh;
   const int64_t tile = sd::Kind<AB, AS, BB>::kTileBytes;
   const bool pays = 4 * p.row_bytes <= tile ||
-                    (2 * p.row_bytes <= tile && bh * nnz_pad * p.row_bytes >= ctas * (256 << 10));
+                    (2 * p.row_bytes <= tile && bh * nnz_pad * p.row_bytes >= ctas * p.v * (40 << 10));
   if (choice == "auto" && !pays) return false;
   MAGICUBE_CHECK(slices <= 65535, "spmm: N too large");
   const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>(slices), static_cast<unsigned>(bh));
