@@ -11,8 +11,6 @@
 #include <mutex>
 #include <tuple>
 
-#include "check.cuh"
-
 namespace magicube {
 
 // A fresh allocation is 256-byte aligned; a view with an odd storage offset is copied once so the
@@ -21,40 +19,47 @@ inline at::Tensor aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
 }
 
+// `query()` once per key, remembered in `known`: the runtime calls behind the values below cost a
+// microsecond or so each, a layer launches the same few shapes again and again, and a launch inside
+// a graph capture may make no other runtime call.
+template <class Key, class Query>
+int remembered(std::mutex& mutex, std::map<Key, int>& known, const Key& key, Query&& query) {
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  const int value = query();
+  known.emplace(key, value);
+  return value;
+}
+
 // The dynamic shared memory `Kernel` may take on the current device, its attribute raised to that
-// once per device, so that a launch (inside a graph capture too) makes no other runtime call. The
-// opt-in limit covers static and dynamic shared memory together.
+// once per device. The opt-in limit covers static and dynamic shared memory together.
 template <auto Kernel>
 int max_dynamic_smem() {
-  static int dynamic_limit[256] = {};
-  const int device = c10::cuda::current_device();
-  MAGICUBE_CHECK(device < 256, "device index ", device, " out of range");
-  if (dynamic_limit[device] == 0) {
+  static std::mutex mutex;
+  static std::map<int, int> known;
+  return remembered(mutex, known, static_cast<int>(c10::cuda::current_device()), [] {
     cudaFuncAttributes attributes;
     C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, Kernel));
     const int limit =
         static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin - attributes.sharedSizeBytes);
     C10_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
-    dynamic_limit[device] = limit;
-  }
-  return dynamic_limit[device];
+    return limit;
+  });
 }
 
-// CTAs of `Kernel` an SM holds at `threads` threads and `smem` bytes of dynamic shared memory,
-// queried once per (device, threads, smem): the runtime query costs a microsecond or so per
-// launch, and a layer launches the same few shapes again and again.
+// CTAs of `Kernel` an SM holds at `threads` threads and `smem` bytes of dynamic shared memory, once
+// per (device, threads, smem).
 template <auto Kernel>
 int max_active_ctas(int threads, int64_t smem) {
   static std::mutex mutex;
   static std::map<std::tuple<int, int, int64_t>, int> known;
   const auto key = std::make_tuple(static_cast<int>(c10::cuda::current_device()), threads, smem);
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto it = known.find(key);
-  if (it != known.end()) return it->second;
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, static_cast<size_t>(smem)));
-  known.emplace(key, per_sm);
-  return per_sm;
+  return remembered(mutex, known, key, [&] {
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, static_cast<size_t>(smem)));
+    return per_sm;
+  });
 }
 
 }  // namespace magicube
