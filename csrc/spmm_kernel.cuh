@@ -178,30 +178,50 @@ struct Accumulators {
   }
 };
 
-// The sparse MMA fragment (n = row g of the vector, k order as in Kind::smem_row) of one 32-slot
-// block, plane 0 = high byte (or the only plane); ld32 / ld64 read at a byte offset from the
-// block's first sparse row, wherever it lies. Rows past v are zero.
+// A lane's share of one 32-slot block of sparse values, as stored (n = row g of the vector, k
+// order as in Kind::smem_row): one word of 4-bit values, two of 8-bit, four of 16-bit. Blocks in
+// flight are held in this form, the fewest registers their container allows, and widened into
+// MMA fragments by sparse_fragment when used. ld32 / ld64 read at a byte offset from the block's
+// first sparse row, wherever it lies. Rows past v are zero.
+template <class K>
+struct SparseWords {
+  uint32_t w[K::kABits / 4];
+};
+
 template <class K, class Ld32, class Ld64>
-__device__ __forceinline__ void sparse_fragment(int g, int t, bool row_live, Ld32&& ld32, Ld64&& ld64,
-                                                uint32_t (&sb)[K::kAPlanes][2]) {
+__device__ __forceinline__ void load_sparse_words(int g, int t, bool row_live, Ld32&& ld32, Ld64&& ld64,
+                                                  SparseWords<K>& a) {
+  static_assert(K::kABits == 4 || K::kABits == 8 || K::kABits == 16, "integer sparse values only");
 #pragma unroll
-  for (int pa = 0; pa < K::kAPlanes; ++pa) sb[pa][0] = sb[pa][1] = 0;
+  for (int i = 0; i < K::kABits / 4; ++i) a.w[i] = 0;
   if (!row_live) return;
   const int row = g * K::kSparseRowBytes;
-  if constexpr (K::kABits == 8) {
-    sb[0][0] = ld32(row + 4 * t);
-    sb[0][1] = ld32(row + 16 + 4 * t);
-  } else if constexpr (K::kABits == 4) {
-    const uint32_t x = ld32(row + 4 * t);
-    sb[0][0] = low_nibbles_x16(x);
-    sb[0][1] = high_nibbles_x16(x);
-  } else {  // 16 bits: two byte planes
-    static_assert(K::kABits == 16, "integer sparse values only");
+  if constexpr (K::kABits == 4) {
+    a.w[0] = ld32(row + 4 * t);
+  } else if constexpr (K::kABits == 8) {
+    a.w[0] = ld32(row + 4 * t);
+    a.w[1] = ld32(row + 16 + 4 * t);
+  } else {
     const uint2 w0 = ld64(row + 8 * t), w1 = ld64(row + 32 + 8 * t);
-    sb[0][0] = odd_bytes(w0.x, w0.y);
-    sb[0][1] = odd_bytes(w1.x, w1.y);
-    sb[1][0] = even_bytes(w0.x, w0.y);
-    sb[1][1] = even_bytes(w1.x, w1.y);
+    a.w[0] = w0.x, a.w[1] = w0.y, a.w[2] = w1.x, a.w[3] = w1.y;
+  }
+}
+
+// The sparse MMA fragment of a block's words, plane 0 = high byte (or the only plane): int4
+// widened to 16 * value, 16-bit split into its byte planes.
+template <class K>
+__device__ __forceinline__ void sparse_fragment(const SparseWords<K>& a, uint32_t (&sb)[K::kAPlanes][2]) {
+  if constexpr (K::kABits == 8) {
+    sb[0][0] = a.w[0];
+    sb[0][1] = a.w[1];
+  } else if constexpr (K::kABits == 4) {
+    sb[0][0] = low_nibbles_x16(a.w[0]);
+    sb[0][1] = high_nibbles_x16(a.w[0]);
+  } else {
+    sb[0][0] = odd_bytes(a.w[0], a.w[1]);
+    sb[0][1] = odd_bytes(a.w[2], a.w[3]);
+    sb[1][0] = even_bytes(a.w[0], a.w[1]);
+    sb[1][1] = even_bytes(a.w[2], a.w[3]);
   }
 }
 
@@ -478,9 +498,11 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
         }
       }
     } else {
+      SparseWords<K> a;
+      load_sparse_words<K>(g, t, row_live, [&](int off) { return lds32(sparse0 + off); },
+                           [&](int off) { return lds64(sparse0 + off); }, a);
       uint32_t sb[K::kAPlanes][2];
-      sparse_fragment<K>(g, t, row_live, [&](int off) { return lds32(sparse0 + off); },
-                         [&](int off) { return lds64(sparse0 + off); }, sb);
+      sparse_fragment<K>(a, sb);
       const uint32_t lrow = stage + (8 * lm + li) * kTileBytes;
       auto ldsm = [&](int chunk, uint32_t (&q)[4]) {
         ldsm_x4_trans(lrow + ((chunk ^ li) * 16), q[0], q[1], q[2], q[3]);
@@ -595,9 +617,6 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
   // Blocks whose indices and sparse values are in flight: 4, or 2 where four would spill at 128
   // registers (16-bit values with four m-tiles).
   constexpr int kAhead = K::kAPlanes * kMT > 4 ? 2 : 4;
-  // 4-bit sparse values wait packed, one register a block, and are widened when used: widened in
-  // flight, L4-R4 spilled at four blocks ahead and ran two.
-  constexpr bool kPacked = AB == 4;
   extern __shared__ __align__(128) uint8_t slice[];
   const uint32_t slice0 = smem_addr(slice);
   const int bh = blockIdx.z;
@@ -718,9 +737,10 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
                __shfl_sync(0xffffffffu, mine.nblocks, i)};
   };
 
+  // Blocks in flight keep their sparse values as stored (SparseWords): widened in flight, L4-R4
+  // spilled at four blocks ahead and ran two.
   int col_next[kAhead];
-  uint32_t sb_next[kAhead][K::kAPlanes][2];
-  uint32_t packed_next[kAhead];
+  SparseWords<K> a_next[kAhead];
   auto fetch = [&](const Row& row, int blk0) {
     const int* cols = p.col_idx + row.start;
     const uint8_t* a_row = a_bh + (int64_t)row.start * v * K::kSparseRowBytes / kSlots;
@@ -730,13 +750,9 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
       const bool in = blk < row.nblocks;
       col_next[j] = in ? cols[blk * kSlots + lane] : -1;
       const uint8_t* a_blk = a_row + (int64_t)blk * v * K::kSparseRowBytes;
-      if constexpr (kPacked) {
-        packed_next[j] = row_live && in ? *reinterpret_cast<const uint32_t*>(a_blk + g * K::kSparseRowBytes + 4 * t) : 0u;
-      } else {
-        sparse_fragment<K>(g, t, row_live && in,
+      load_sparse_words<K>(g, t, row_live && in,
                            [&](int off) { return *reinterpret_cast<const uint32_t*>(a_blk + off); },
-                           [&](int off) { return *reinterpret_cast<const uint2*>(a_blk + off); }, sb_next[j]);
-      }
+                           [&](int off) { return *reinterpret_cast<const uint2*>(a_blk + off); }, a_next[j]);
     }
   };
 
@@ -763,17 +779,11 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
       if (row.nblocks == 0 && has_next) fetch(row_at(i + 1), 0);
       for (int blk0 = 0; blk0 < row.nblocks; blk0 += kAhead) {
         int col[kAhead];
-        uint32_t sb[kAhead][K::kAPlanes][2];
-        uint32_t packed[kAhead];
+        SparseWords<K> a[kAhead];
 #pragma unroll
         for (int j = 0; j < kAhead; ++j) {
           col[j] = col_next[j];
-          if constexpr (kPacked) {
-            packed[j] = packed_next[j];
-          } else {
-#pragma unroll
-            for (int pa = 0; pa < K::kAPlanes; ++pa) sb[j][pa][0] = sb_next[j][pa][0], sb[j][pa][1] = sb_next[j][pa][1];
-          }
+          a[j] = a_next[j];
         }
         if (blk0 + kAhead < row.nblocks) fetch(row, blk0 + kAhead);
         else if (has_next) fetch(row_at(i + 1), 0);
@@ -783,10 +793,8 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
           // Dead slots (padding) read the zero row K.
           const int live = col[j] >= 0 && col[j] < p.k ? col[j] : p.k;
           const int krow = __shfl_sync(0xffffffffu, live, my_slot);
-          if constexpr (kPacked) {
-            sb[j][0][0] = low_nibbles_x16(packed[j]);
-            sb[j][0][1] = high_nibbles_x16(packed[j]);
-          }
+          uint32_t sb[K::kAPlanes][2];
+          sparse_fragment<K>(a[j], sb);
 #pragma unroll
           for (int c = 0; c < kChunks; ++c) {
             uint32_t q[4];
@@ -794,12 +802,12 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
             if constexpr (BB == 8) {
               uint32_t da[1][4];
               dense8_fragment(q, da);
-              r.mma(c, da, sb[j]);
+              r.mma(c, da, sb);
             } else {
               uint32_t lo[1][4], hi[1][4];
               dense4_fragments(q, lo, hi);
-              r.mma(2 * c, lo, sb[j]);
-              r.mma(2 * c + 1, hi, sb[j]);
+              r.mma(2 * c, lo, sb);
+              r.mma(2 * c + 1, hi, sb);
             }
           }
           if (++since_fold == kFlushBlocks) {
