@@ -55,9 +55,10 @@ if triton is not None:
     def _quantize(y, rn, c0, s_ptr, E: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
         """The ops' quantization of y (fp16 values as fp32) with column rn's scale, as int32; c0 is the
         tile's first column. Column n (Q/K/V n // E, head (n % E) // D) takes scale n // D."""
-        if BLOCK_N % D == 0:
+        if BLOCK_N % D == 0 and BLOCK_N // D <= 8:
             # The tile holds BLOCK_N // D whole heads: their scales and reciprocals are taken once, as
-            # scalars, and spread over the columns by selects. A reciprocal per column and a reduction
+            # scalars, and spread over the columns by selects (a select each per head: heads of
+            # fewer than 16 dims take the per-column path). A reciprocal per column and a reduction
             # over the columns for `fast` cost 4 of 40 us at 8 bits and 8 of 43 at 4 bits (H100,
             # B 8, T 4096, E 256).
             h0 = c0 // D
