@@ -27,10 +27,48 @@ using magicube::attention_detail::kSlots;
 using magicube::attention_detail::kThreads;
 using magicube::attention_detail::kWarps;
 
-void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device) {
+void check_device(const at::Tensor& t, const char* name, const at::Device& device) {
   MAGICUBE_CHECK(t.is_cuda(), "sparse_attention: ", name, " must be a CUDA tensor, got one on ", t.device());
   MAGICUBE_CHECK(t.device() == device, "sparse_attention: ", name, " is on ", t.device(), " but query is on ", device);
+}
+
+void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device) {
+  check_device(t, name, device);
   MAGICUBE_CHECK(t.is_contiguous(), "sparse_attention: ", name, " must be contiguous");
+}
+
+// Query, key or value as [B, heads, rows, d'] from a contiguous [BH, rows, d'] or a 4-D tensor,
+// contiguous or of any strides whose rows are contiguous on strides of whole 16 bytes (the kernels
+// read whole 16-byte chunks), such as the per-head views of one Q/K/V projection output
+// [B, rows, 3, H, d'], read in place.
+at::Tensor heads_view(const at::Tensor& t, const char* name, int64_t heads, const at::Device& device) {
+  check_device(t, name, device);
+  if (t.dim() == 3) {
+    MAGICUBE_CHECK(t.is_contiguous(), "sparse_attention: a 3-D ", name, " [BH, rows, d] must be contiguous");
+    MAGICUBE_CHECK(heads >= 1 && t.size(0) % heads == 0, "sparse_attention: heads must divide BH = ", t.size(0),
+                   ", got ", heads);
+    return t.view({t.size(0) / heads, heads, t.size(1), t.size(2)});
+  }
+  MAGICUBE_CHECK(t.dim() == 4, "sparse_attention: ", name, " must be [BH, rows, d] or [B, heads, rows, d], got ",
+                 t.dim(), " dims");
+  MAGICUBE_CHECK(t.size(1) == heads, "sparse_attention: a 4-D ", name, " [B, heads, rows, d] must have heads = ",
+                 heads, " in dim 1, got ", t.size(1));
+  const int64_t es = t.element_size();
+  bool aligned = t.stride(3) == 1 || t.size(3) <= 1;
+  for (int i = 0; i < 3; ++i) aligned = aligned && (t.size(i) <= 1 || t.stride(i) * es % 16 == 0);
+  aligned = aligned || t.is_contiguous();
+  MAGICUBE_CHECK(aligned, "sparse_attention: ", name, " must be contiguous or have contiguous rows on strides of ",
+                 "whole 16 bytes, got strides (", t.stride(0), ", ", t.stride(1), ", ", t.stride(2), ", ",
+                 t.stride(3), ") of ", es, "-byte elements");
+  MAGICUBE_CHECK(t.size(2) <= 1 || (t.size(2) - 1) * t.stride(2) * es < (int64_t(1) << 32), "sparse_attention: ",
+                 name, "'s rows of one batch x head must span less than 4 GiB");
+  return t;
+}
+
+magicube::attention_detail::Rows rows_of(const at::Tensor& t) {
+  const int64_t es = t.element_size();
+  return {static_cast<const uint8_t*>(t.data_ptr()), t.stride(0) * es, t.stride(1) * es,
+          static_cast<uint32_t>(t.stride(2) * es)};
 }
 
 // A scale [BH, rows] of any non-negative strides (a per-(batch x head) scale expanded along its rows
@@ -159,10 +197,8 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
                                  const std::optional<at::Tensor>& scale_v, int64_t v, double softmax_scale,
                                  int64_t qk_bits, int64_t p_bits, int64_t heads, int64_t longest_row) {
   const at::Device device = query_in.device();
-  check_cuda_tensor(query_in, "query", device);
+  check_device(query_in, "query", device);
   const c10::cuda::CUDAGuard guard(device);
-  check_cuda_tensor(key_in, "key", device);
-  check_cuda_tensor(value_in, "value", device);
   check_cuda_tensor(row_ptr, "row_ptr", device);
   check_cuda_tensor(col_idx, "col_idx", device);
   check_cuda_tensor(row_order, "row_order", device);
@@ -179,8 +215,13 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
               row_order.numel());
   MAGICUBE_CHECK(col_idx.numel() % 32 == 0, "sparse_attention: col_idx length ", col_idx.numel(),
               " is not a multiple of the stride 32");
-  MAGICUBE_CHECK(query_in.dim() == 3 && key_in.dim() == 3 && value_in.dim() == 3,
-              "sparse_attention: query, key and value must be 3-D [BH, rows, d]");
+  MAGICUBE_CHECK(query_in.dim() == key_in.dim() && key_in.dim() == value_in.dim(),
+                 "sparse_attention: query, key and value must all be 3-D [BH, rows, d] or all 4-D ",
+                 "[B, heads, rows, d], got ", query_in.dim(), ", ", key_in.dim(), " and ", value_in.dim(), " dims");
+  MAGICUBE_CHECK(heads >= 1, "sparse_attention: heads must be positive, got ", heads);
+  const at::Tensor q4 = heads_view(query_in, "query", heads, device);
+  const at::Tensor k4 = heads_view(key_in, "key", heads, device);
+  const at::Tensor v4 = heads_view(value_in, "value", heads, device);
 
   const bool fp16 = query_in.scalar_type() == at::kHalf;
   int op;
@@ -207,23 +248,21 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
     op = qk_bits == 16 ? kInt16 : qk_bits == 8 ? kInt8 : kInt4;
   }
 
-  const int64_t bh = query_in.size(0), m = query_in.size(1), n = key_in.size(1);
+  const int64_t bh = q4.size(0) * heads, m = q4.size(2), n = k4.size(2);
   const int64_t per_byte = op == kInt4 ? 2 : 1;
-  const int64_t d = query_in.size(2) * per_byte, dv = value_in.size(2) * per_byte;
+  const int64_t d = q4.size(3) * per_byte, dv = v4.size(3) * per_byte;
   MAGICUBE_CHECK(m == vrows * v, "sparse_attention: query has ", m, " rows, the pattern M = (M/V)*V = ", vrows * v);
-  MAGICUBE_CHECK(key_in.size(0) == bh && value_in.size(0) == bh, "sparse_attention: key and value must have BH = ", bh,
-              " like query, got ", key_in.size(0), " and ", value_in.size(0));
-  MAGICUBE_CHECK(key_in.size(2) == query_in.size(2), "sparse_attention: key's last dim (", key_in.size(2),
-              ") must match query's (", query_in.size(2), ")");
-  MAGICUBE_CHECK(value_in.size(1) == n, "sparse_attention: value must have N = ", n, " rows like key, got ",
-              value_in.size(1));
+  MAGICUBE_CHECK(k4.size(0) == q4.size(0) && v4.size(0) == q4.size(0), "sparse_attention: key and value must have ",
+                 "the batch x heads of query, ", bh, ", got ", k4.size(0) * heads, " and ", v4.size(0) * heads);
+  MAGICUBE_CHECK(k4.size(3) == q4.size(3), "sparse_attention: key's last dim (", k4.size(3),
+              ") must match query's (", q4.size(3), ")");
+  MAGICUBE_CHECK(v4.size(2) == n, "sparse_attention: value must have N = ", n, " rows like key, got ", v4.size(2));
   MAGICUBE_CHECK(d == 32 || d == 64 || d == 128, "sparse_attention: head dim d of query/key must be 32, 64 or 128, got ",
               d);
   MAGICUBE_CHECK(dv == d, "sparse_attention: head dim dv of value (", dv, ") must equal the head dim d of query/key (",
               d, ")");
   MAGICUBE_CHECK(bh <= 65535 && vrows <= INT32_MAX && n < INT32_MAX && m < INT32_MAX,
               "sparse_attention: BH must be <= 65535 and M, N < 2^31");
-  MAGICUBE_CHECK(heads >= 1 && bh % heads == 0, "sparse_attention: heads must divide BH = ", bh, ", got ", heads);
   magicube::check_longest_row("sparse_attention", longest_row);
   Params p{};  // fp16 inputs leave the scales null
   bool split = false;
@@ -253,14 +292,14 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
   at::Tensor out = at::empty({bh / heads, m, heads, dv}, query_in.options().dtype(at::kHalf));
   if (bh == 0 || vrows == 0) return out;
   if (n == 0) return out.zero_();
-  const at::Tensor query = magicube::aligned16(query_in), key = magicube::aligned16(key_in), value = magicube::aligned16(value_in);
+  const at::Tensor query = magicube::aligned16(q4), key = magicube::aligned16(k4), value = magicube::aligned16(v4);
 
   p.row_ptr = row_ptr.data_ptr<int>();
   p.col_idx = col_idx.data_ptr<int>();
   p.row_order = row_order.data_ptr<int>();
-  p.q = static_cast<const uint8_t*>(query.data_ptr());
-  p.k = static_cast<const uint8_t*>(key.data_ptr());
-  p.val = static_cast<const uint8_t*>(value.data_ptr());
+  p.q = rows_of(query);
+  p.k = rows_of(key);
+  p.val = rows_of(value);
   p.out = reinterpret_cast<__half*>(out.data_ptr());
   p.heads = static_cast<int>(heads);
   p.bh = static_cast<int>(bh);

@@ -66,13 +66,22 @@ constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kSlots = 32;
 
+// Q, K or V: row t of batch b, head h starts `b * batch + h * head + t * row` bytes after `data`:
+// [BH, rows, d] contiguous, or per-head views of one Q/K/V projection output read in place. Rows are
+// whole 16-byte chunks at 16-byte boundaries.
+struct Rows {
+  const uint8_t* data;
+  int64_t batch, head;
+  uint32_t row;  // the host keeps (rows - 1) * row below 2^32
+
+  __device__ __forceinline__ const uint8_t* of(uint32_t b, uint32_t h) const { return data + b * batch + h * head; }
+};
+
 struct Params {
   const int* row_ptr;
   const int* col_idx;
   const int* row_order;
-  const uint8_t* q;        // [BH, M, row bytes]
-  const uint8_t* k;        // [BH, N, row bytes]
-  const uint8_t* val;      // [BH, N, value row bytes]
+  Rows q, k, val;          // M query rows, N key and value rows of every batch x head
   // Scales of the integer modes, fp32 [BH, M], [BH, N], [BH, DV] at any strides, so that a scale
   // per batch x head expanded along its rows (stride 0) is read in place: element (bh, i) of
   // scale_q lies bh * sq_bh elements plus i * sq_step bytes from scale_q (likewise k, v).
@@ -237,7 +246,8 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   constexpr int kBlockStride = SPLIT ? kWarps : 1;
   const int nbw = !SPLIT ? nb : nb > warp ? (nb - warp + kWarps - 1) / kWarps : 0;
   const bool row_live = g < v;
-  const int64_t qrow0 = bh * p.m + static_cast<int64_t>(vrow) * v;
+  const uint32_t b = static_cast<uint32_t>(bh) / static_cast<uint32_t>(p.heads);
+  const uint32_t h = static_cast<uint32_t>(bh) - b * static_cast<uint32_t>(p.heads);
   const float softmax_scale = p.softmax_scale;
 
   // Query fragment (A of S = Q K^T): row g, the lane's run t; rows g >= V and g + 8 are zero.
@@ -248,7 +258,7 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
 #pragma unroll
     for (int i = 0; i < NW; ++i) raw[i] = 0;
     if (row_live) {
-      ldg_words<C::kLaneBytes>(raw, p.q + (qrow0 + g) * C::kKeyBytes + t * C::kLaneBytes);
+      ldg_words<C::kLaneBytes>(raw, p.q.of(b, h) + static_cast<uint32_t>(vrow * v + g) * p.q.row + t * C::kLaneBytes);
       if constexpr (!C::kFp16) sq = *strided(p.scale_q + bh * p.sq_bh, vrow * v + g, p.sq_step);
     }
     qw.set(raw);
@@ -276,8 +286,8 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   uint32_t row_dst[kRows];
 #pragma unroll
   for (int k = 0; k < kRows; ++k) row_dst[k] = pinned(C::tile_offset(lane / LPR + kRowStep * k, lane_chunk * 16));
-  const uint8_t* const key_base = pinned(p.k + bh * p.n * RB + t * C::kLaneBytes);
-  const uint8_t* const val_base = pinned(p.val + bh * p.n * RB + lane_chunk * 16);
+  const uint8_t* const key_base = pinned(p.k.of(b, h) + t * C::kLaneBytes);
+  const uint8_t* const val_base = pinned(p.val.of(b, h) + lane_chunk * 16);
   const float* const sk_base = pinned(p.scale_k + bh * p.sk_bh);
   const int* const warp_cols = p.col_idx + start + (SPLIT ? warp : 0) * kSlots + lane;  // + j * kBlockStride * kSlots
   const uint32_t n_cols = static_cast<uint32_t>(p.n);
@@ -302,7 +312,7 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
       for (int k = 0; k < kRows; ++k) {
         const int c = __shfl_sync(0xffffffffu, col_l, lane / LPR + kRowStep * k);
         const bool live = static_cast<uint32_t>(c) < n_cols;
-        const uint8_t* src = val_base + static_cast<uint64_t>(live ? static_cast<uint32_t>(c) : 0u) * RB;
+        const uint8_t* src = val_base + (live ? static_cast<uint32_t>(c) : 0u) * p.val.row;
 #pragma unroll
         for (int u = 0; u < kChunks; ++u)
           cp_async16(iss_dst + (row_dst[k] ^ (16 * LPR * u)), src + 16 * LPR * u, live ? 16 : 0);
@@ -352,7 +362,7 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
     for (int n = 0; n < 4; ++n) {
       const int c = __shfl_sync(0xffffffffu, col_l, 8 * n + g);
       const uint32_t row = static_cast<uint32_t>(c) < n_cols ? static_cast<uint32_t>(c) : 0u;
-      ldg_words<C::kLaneBytes>(kr.raw[n], key_base + static_cast<uint64_t>(row) * RB);
+      ldg_words<C::kLaneBytes>(kr.raw[n], key_base + row * p.k.row);
     }
   };
 
@@ -677,7 +687,6 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   // rows `ld` elements apart.
   const int ld = p.heads * DV;
   auto out_rows = [&]() {
-    const uint32_t heads = p.heads, b = static_cast<uint32_t>(bh) / heads, h = static_cast<uint32_t>(bh) - b * heads;
     return p.out + (static_cast<int64_t>(b) * p.m + static_cast<int64_t>(vrow) * v) * ld + h * DV;
   };
   const float* const sv_base = p.scale_v + bh * p.sv_bh;

@@ -194,9 +194,9 @@ class Attention(nn.Module):
         if self.config.attention != "sparse":
             return self.integer_ops(*self.quantize(qkv, QUANTIZED[self.config.attention][1]), B)
         pat = self.pattern(qkv.device)
+        if self.config.fused:  # the [B, H, T, d] views, read in place
+            return ops.sparse_attention(pat, *qkv.half(), softmax_scale=d ** -0.5).view(B, T, H * d)
         q, k, v = (t.reshape(B * H, T, d).half() for t in qkv)
-        if self.config.fused:
-            return ops.sparse_attention(pat, q, k, v, softmax_scale=d ** -0.5, heads=H).view(B, T, H * d)
         s = ops.sddmm(pat, q, k, bits=16)
         p, _ = ops.sparse_softmax(pat, s, scale=d ** -0.5, out_bits=0)
         y = ops.spmm(pat, p, v, a_bits=16, b_bits=16)

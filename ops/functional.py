@@ -98,24 +98,37 @@ def sparse_attention(pattern: SRBCRS, query: torch.Tensor, key: torch.Tensor, va
     """softmax(scale * Q K^T at the pattern) V in one op: the composition of sddmm, sparse_softmax
     and spmm with the same roundings (fp16 scores, probabilities of p_bits), so that a fused
     kernel and the three-op pipeline compute one function. query [BH, M, d], key [BH, N, d],
-    value [BH, N, dv]; integer inputs in the containers of qk_bits (int4 packed along d / dv).
+    value [BH, N, dv], or all three [B, H, rows, d] (any strides: per-head views of one Q/K/V
+    projection output are read in place where their rows are contiguous on 16-byte strides);
+    integer inputs in the containers of qk_bits (int4 packed along d / dv).
 
-    Returns [BH, M, dv], or with `heads` (BH = B * heads, bh = b * heads + h) [B, M, heads, dv]:
-    the heads side by side, as an output projection reads them (a view as [B, M, heads * dv]).
+    Returns [BH, M, dv], or with `heads` or 4-D inputs (BH = B * heads, bh = b * heads + h)
+    [B, M, heads, dv]: the heads side by side, as an output projection reads them (a view as
+    [B, M, heads * dv]).
     """
     p = _pattern(pattern, query.device)
-    if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
-        raise ValueError(f"query, key, value: expected 3-D [BH, rows, d] tensors, got shapes {tuple(query.shape)}, "
-                         f"{tuple(key.shape)}, {tuple(value.shape)}")
-    if key.shape[1] != p.k:
+    dims = (query.dim(), key.dim(), value.dim())
+    if dims not in ((3, 3, 3), (4, 4, 4)):
+        raise ValueError(f"query, key, value: expected all 3-D [BH, rows, d] or all 4-D [B, H, rows, d] tensors, got "
+                         f"shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if key.shape[-2] != p.k:
         raise ValueError(f"key: expected N = {p.k} rows (the pattern's columns), got shape {tuple(key.shape)}")
-    bh = query.shape[0]
-    dv = value.shape[2] * (2 if (qk_bits == 4 and value.dtype == torch.uint8) else 1)
+    if query.dim() == 4:
+        if heads not in (None, query.shape[1]):
+            raise ValueError(f"heads: 4-D inputs hold their heads in dim 1 ({query.shape[1]}), got heads={heads}")
+        heads = query.shape[1]
+        bh = query.shape[0] * heads
+        # read in place where the kernel can: rows contiguous on 16-byte strides
+        query, key, value = (x if x.stride(-1) == 1 and library.rows_aligned(x) else x.contiguous()
+                             for x in (query, key, value))
+    else:
+        bh = query.shape[0]
+        query, key, value = (x.contiguous() for x in (query, key, value))
+    dv = value.shape[-1] * (2 if (qk_bits == 4 and value.dtype == torch.uint8) else 1)
     sq, sk, sv = (None if s is None else expand_scale(s, bh, n, name, query.device)
                   for s, n, name in ((scale_q, p.m, "scale_q"), (scale_k, p.k, "scale_k"), (scale_v, dv, "scale_v")))
-    out = _ops.sparse_attention(p.row_ptr, p.col_idx, p.row_order, query.contiguous(), key.contiguous(),
-                                value.contiguous(), sq, sk, sv, p.v, float(softmax_scale), qk_bits, p_bits,
-                                1 if heads is None else heads, p.longest_row)
+    out = _ops.sparse_attention(p.row_ptr, p.col_idx, p.row_order, query, key, value, sq, sk, sv, p.v,
+                                float(softmax_scale), qk_bits, p_bits, 1 if heads is None else heads, p.longest_row)
     return out.view(bh, p.m, dv) if heads is None else out
 
 

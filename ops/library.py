@@ -35,8 +35,10 @@ SCHEMAS = {
     # contiguous container of `bits`, shaped like x
     "quantize": "quantize(Tensor x, Tensor scale, int bits, bool is_signed) -> Tensor",
     # sddmm -> sparse_softmax -> spmm in one op, with the same intermediate roundings (fp16
-    # scores, quantized probabilities), so that a fused kernel computes the same function. Scales
-    # of any strides (an expanded per-(batch x head) scale is read in place); the output is
+    # scores, quantized probabilities), so that a fused kernel computes the same function. Query,
+    # key and value contiguous [BH, rows, d'] or [B, heads, rows, d'] views of any strides with
+    # contiguous rows on 16-byte strides (the heads of one projection output, read in place);
+    # scales of any strides (an expanded per-(batch x head) scale is read in place); the output is
     # [BH / heads, M, heads, dv] with bh = b * heads + h, which views as [B, M, heads * dv].
     "sparse_attention": "sparse_attention(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor query, "
                         "Tensor key, Tensor value, Tensor? scale_q, Tensor? scale_k, Tensor? scale_v, int v, "
@@ -87,7 +89,7 @@ def _check_pattern(row_ptr, col_idx, row_order, v, device):
         # the kernels index rows from the blocks: a block with no row would read before the operands
         raise ValueError(f"col_idx: a pattern with no rows (empty row_ptr) has no columns, got {col_idx.numel()} slots")
 
-def _check_scales(scale_a, scale_b, rows, cols, bh, device, quantized, out_dtype, contiguous=True):
+def _check_scales(scale_a, scale_b, rows, cols, bh, device, quantized, out_dtype):
     if not quantized:
         if scale_a is not None or scale_b is not None:
             raise ValueError("scale_a, scale_b: fp16 inputs take no scales; pass None")
@@ -99,9 +101,9 @@ def _check_scales(scale_a, scale_b, rows, cols, bh, device, quantized, out_dtype
     if out_dtype == torch.float16 and (scale_a is None or scale_b is None):
         raise ValueError("scale_a, scale_b: a float16 output of integer inputs needs both scales")
     if scale_a is not None:
-        _check_tensor("scale_a", scale_a, torch.float32, shape=(bh, rows), device=device, contiguous=contiguous)
+        _check_tensor("scale_a", scale_a, torch.float32, shape=(bh, rows), device=device)
     if scale_b is not None:
-        _check_tensor("scale_b", scale_b, torch.float32, shape=(bh, cols), device=device, contiguous=contiguous)
+        _check_tensor("scale_b", scale_b, torch.float32, shape=(bh, cols), device=device)
 
 def _check_values(name, t, bh, elements, bits, signed, device):
     """A value tensor of the SR-BCRS layout: [BH, nnz_pad*V] elements (int4 packed)."""
@@ -137,8 +139,7 @@ def _check_longest_row(longest_row):
                          f"got {longest_row!r}")
 
 
-def check_sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, out_dtype, longest_row=-1,
-                contiguous_scales=True):
+def check_sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, out_dtype, longest_row=-1):
     _check_longest_row(longest_row)
     device = a.device if isinstance(a, torch.Tensor) else None
     _check_pattern(row_ptr, col_idx, row_order, v, device)
@@ -158,7 +159,7 @@ def check_sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, ou
         raise ValueError(f"a: expected {m} rows (M of the pattern), got {_describe(a)}")
     if b.shape[0] != bh or b.shape[2] != a.shape[2]:
         raise ValueError(f"b: expected shape ({bh}, N, {a.shape[2]}) to match a {tuple(a.shape)}, got {_describe(b)}")
-    _check_scales(scale_a, scale_b, m, b.shape[1], bh, device, quantized, out_dtype, contiguous_scales)
+    _check_scales(scale_a, scale_b, m, b.shape[1], bh, device, quantized, out_dtype)
     return bh, col_idx.numel() * v
 
 def check_sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits, longest_row=-1):
@@ -172,29 +173,61 @@ def check_sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits
         raise ValueError(f"out_bits: expected one of {SOFTMAX_BITS} (0 = fp16), got {out_bits!r}")
     return values.shape[0], row_ptr.numel() // 2 * v
 
+def _attention_operand(name, t, dtype, heads, device):
+    """Query, key or value: a contiguous [BH, rows, d'], or [B, heads, rows, d'] contiguous or at any
+    strides with contiguous rows on strides of whole 16 bytes (per-head views of one Q/K/V
+    projection output, read in place). Returns (BH, rows, d')."""
+    _check_tensor(name, t, dtype, device=device, contiguous=t.dim() == 3)
+    if t.dim() == 3:
+        return tuple(t.shape)
+    if t.dim() != 4:
+        raise ValueError(f"{name}: expected a 3-D [BH, rows, d] or 4-D [B, heads, rows, d] tensor, got {_describe(t)}")
+    if t.shape[1] != heads:
+        raise ValueError(f"{name}: a 4-D [B, heads, rows, d] tensor needs heads = {heads} in dim 1, got {_describe(t)}")
+    if not t.is_contiguous() and (t.stride(-1) != 1 or not rows_aligned(t)):
+        raise ValueError(f"{name}: expected contiguous rows on strides of whole 16 bytes, got strides {t.stride()} "
+                         f"for {_describe(t)}")
+    return t.shape[0] * t.shape[1], t.shape[2], t.shape[3]
+
 def check_sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale_q, scale_k, scale_v, v,
                            softmax_scale, qk_bits, p_bits, heads, longest_row=-1):
     _check_longest_row(longest_row)
-    quantized = isinstance(query, torch.Tensor) and query.dtype != torch.float16
-    check_sddmm(row_ptr, col_idx, row_order, query, key, scale_q, scale_k, v, qk_bits, torch.float16,
-                contiguous_scales=False)
+    device = query.device if isinstance(query, torch.Tensor) else None
+    _check_pattern(row_ptr, col_idx, row_order, v, device)
+    _check_tensor("query", query, device=device, contiguous=False)
+    quantized = query.dtype != torch.float16
+    if quantized and qk_bits not in SDDMM_BITS:
+        raise ValueError(f"qk_bits: expected one of {SDDMM_BITS}, got {qk_bits!r}")
     if quantized and (p_bits, qk_bits) not in SPMM_PAIRS:
         raise ValueError(f"p_bits, qk_bits: the probabilities times value product must be one of the pairs "
                          f"{SPMM_PAIRS}, got ({p_bits}, {qk_bits})")
     if not quantized and p_bits != 0:
         raise ValueError(f"p_bits: fp16 attention keeps fp16 probabilities (0), got {p_bits!r}")
-    bh, n = key.shape[0], key.shape[1]
-    _check_tensor("value", value, query.dtype if not quantized else container_dtype(qk_bits), 3, device=query.device)
-    if value.shape[:2] != (bh, n):
-        raise ValueError(f"value: expected shape ({bh}, {n}, d) to match key {tuple(key.shape)}, got {_describe(value)}")
-    dv = value.shape[2] * (2 if quantized and qk_bits == 4 else 1)
-    if quantized:
-        _check_tensor("scale_v", scale_v, torch.float32, shape=(bh, dv), device=query.device, contiguous=False)
-    elif scale_v is not None:
-        raise ValueError("scale_v: fp16 inputs take no scales; pass None")
+    if not query.dim() == key.dim() == value.dim():
+        raise ValueError(f"query, key, value: expected all 3-D [BH, rows, d] or all 4-D [B, heads, rows, d], got "
+                         f"{query.dim()}, {key.dim()} and {value.dim()} dims")
+    dtype = container_dtype(qk_bits) if quantized else torch.float16
+    operands = (("query", query), ("key", key), ("value", value))
+    (bh, m, d), (bh_k, n, d_k), (bh_v, n_v, width_v) = (_attention_operand(name, t, dtype, heads, device)
+                                                         for name, t in operands)
+    if m != row_ptr.numel() // 2 * v:
+        raise ValueError(f"query: expected {row_ptr.numel() // 2 * v} rows (M of the pattern), got {_describe(query)}")
+    if (bh_k, d_k) != (bh, d):
+        raise ValueError(f"key: expected BH = {bh} and d' = {d} like query, got {_describe(key)}")
+    if (bh_v, n_v) != (bh, n):
+        raise ValueError(f"value: expected BH = {bh} and N = {n} rows like key, got {_describe(value)}")
     if heads < 1 or bh % heads:
         raise ValueError(f"heads: expected a positive divisor of BH = {bh} (the batch x heads of query), got {heads!r}")
-    return bh, query.shape[1], dv
+    dv = width_v * (2 if quantized and qk_bits == 4 else 1)
+    scales = (("scale_q", scale_q, m), ("scale_k", scale_k, n), ("scale_v", scale_v, dv))
+    if quantized:
+        for name, s, rows in scales:
+            if s is None:
+                raise ValueError(f"{name}: integer inputs need scale_q, scale_k and scale_v")
+            _check_tensor(name, s, torch.float32, shape=(bh, rows), device=device, contiguous=False)
+    elif any(s is not None for _, s, _ in scales):
+        raise ValueError("scale_q, scale_k, scale_v: fp16 inputs take no scales; pass None")
+    return bh, m, dv
 
 
 QUANTIZE_MAX_DIM = 5  # the kernel walks the rows over at most 4 leading dims

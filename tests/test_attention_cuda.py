@@ -231,6 +231,94 @@ def test_heads_layout_and_expanded_scales(kernels, p_bits, qk_bits, heads):
         assert torch.equal(got, flat), f"{what}: the heads layout or the expanded scales changed the output"
 
 
+def token_major(x, heads):
+    """[BH, rows, d] as a [B, heads, rows, d] view of a token-major [B, rows, 2, heads, d] tensor (as
+    Q of a Q/K/V projection output [B, rows, 3, heads, d]) whose other half holds junk (NaN, or the
+    largest container value) that a wrong stride would read."""
+    bh, rows, d = x.shape
+    junk = float("nan") if x.dtype == torch.float16 else torch.iinfo(x.dtype).max
+    buf = torch.full((bh // heads, rows, 2, heads, d), junk, dtype=x.dtype, device=x.device)
+    buf[:, :, 1] = x.view(bh // heads, heads, rows, d).transpose(1, 2)
+    return buf[:, :, 1].transpose(1, 2)
+
+
+# (BH, M/V, N, sparsity): an empty row and a full one (conftest.awkward_mask); N = 1500 makes the
+# full row longer than the score cache; BH = 12 leaves the last CTA of whole rows part empty.
+TOKEN_MAJOR_SHAPES = [(4, 7, 333, 0.6), (6, 6, 1500, 0.9), (12, 5, 97, 0.7)]
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-row-scales", "per-head-scales"])
+@pytest.mark.parametrize("heads", [2, 3])
+@pytest.mark.parametrize("v", [2, 8])
+@pytest.mark.parametrize("p_bits, qk_bits", PAIRS, ids=PAIR_IDS)
+def test_per_head_views(kernels, p_bits, qk_bits, v, heads, per_head):
+    """Q, K and V as 4-D [B, heads, rows, d] views of token-major tensors, read at their strides:
+    against the reference on the same values as [BH, rows, d], and bit for bit the kernel's result
+    from contiguous copies."""
+    d = 64
+    for i, (bh, rows, n, sparsity) in enumerate(TOKEN_MAJOR_SHAPES):
+        bh = bh // heads * heads
+        p, emask = problem(bh, rows, n, v, sparsity, seed=20 + i, shuffle=bool(i % 2))
+        g = torch.Generator().manual_seed(1000 * i + 10 * v + heads)
+        inputs = make_inputs(bh, p.m, n, d, p_bits, qk_bits, g, spread=1.0 + i, per_head=per_head)
+        cuda = p.to("cuda")
+        q, k, val, *scales = (to_cuda(x) for x in inputs)
+        tail = (*scales, v, d**-0.5, qk_bits, p_bits, heads)
+        poison_allocator(float("nan"), torch.float16)
+        got = kernels.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order,
+                                       *(token_major(x, heads) for x in (q, k, val)), *tail)
+        want = torch.ops.magicube.sparse_attention(p.row_ptr, p.col_idx, p.row_order, *inputs, v, d**-0.5, qk_bits,
+                                                   p_bits, heads)
+        assert got.shape == want.shape == (bh // heads, p.m, heads, d) and got.is_contiguous()
+        what = f"per-head views, heads={heads}, BH={bh}, M={p.m}, N={n}"
+        flat = lambda y: y.cpu().transpose(1, 2).reshape(bh, p.m, d)  # noqa: E731
+        check(p, emask, inputs, flat(got), flat(want), v, d**-0.5, qk_bits, p_bits, what)
+        copies = kernels.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order, q, k, val, *tail)
+        assert torch.equal(got, copies), f"{what}: the views changed the output"
+
+
+def test_per_head_views_global_rows(kernels):
+    """Long rows read from per-head views: the split CTAs on the side stream and the whole-row
+    kernel both take the strides (400 vector rows of density 0.01, 20 full, one empty; B 2, 4
+    heads), eager and captured in a CUDA graph."""
+    heads, rows, n, v, d = 4, 400, 2048, 8, 64
+    bh = 2 * heads
+    g = torch.Generator().manual_seed(32)
+    mask = torch.rand(rows, n, generator=g) < 0.01
+    mask[3::20], mask[7] = True, False
+    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
+    inputs = make_inputs(bh, p.m, n, d, 8, 8, g, per_head=True)
+    cuda = p.to("cuda")
+    q, k, val, *scales = (to_cuda(x) for x in inputs)
+    args = (cuda.row_ptr, cuda.col_idx, cuda.row_order, *(token_major(x, heads) for x in (q, k, val)), *scales, v,
+            d**-0.5, 8, 8, heads)
+    eager, captured = on_stream_and_captured(kernels, args)
+    assert torch.equal(captured, eager)
+    want = torch.ops.magicube.sparse_attention(p.row_ptr, p.col_idx, p.row_order, *inputs, v, d**-0.5, 8, 8, heads)
+    flat = lambda y: y.cpu().transpose(1, 2).reshape(bh, p.m, d)  # noqa: E731
+    check_quantized(p, VectorMask(mask, v).to_dense(), inputs, flat(eager), flat(want), v, d**-0.5, 8, 8,
+                    "per-head views, global rows")
+
+
+def test_per_head_view_checks(kernels):
+    """4-D inputs: heads must match dim 1, rows must be contiguous on 16-byte strides."""
+    p, _ = problem(4, 2, 64, 8, 0.5, seed=0)
+    cuda = p.to("cuda")
+    g = torch.Generator().manual_seed(0)
+    q, k, val, sq, sk, sv = (x.cuda() for x in make_inputs(4, p.m, 64, 64, 8, 8, g))
+    pat = (cuda.row_ptr, cuda.col_idx, cuda.row_order)
+    q4, k4, v4 = (token_major(x, 2) for x in (q, k, val))
+    with pytest.raises(RuntimeError, match="heads = 4"):
+        kernels.sparse_attention(*pat, q4, k4, v4, sq, sk, sv, 8, 0.1, 8, 8, 4)
+    with pytest.raises(RuntimeError, match="all be 3-D"):
+        kernels.sparse_attention(*pat, q4, k, v4, sq, sk, sv, 8, 0.1, 8, 8, 2)
+    with pytest.raises(RuntimeError, match="contiguous rows on strides"):
+        kernels.sparse_attention(*pat, q4, k4.transpose(2, 3), v4, sq, sk, sv, 8, 0.1, 8, 8, 2)
+    padded = torch.zeros(2, 64, 2, 72, dtype=torch.int8, device="cuda")[..., :64].transpose(1, 2)  # rows 72 bytes apart
+    with pytest.raises(RuntimeError, match="strides of whole 16 bytes"):
+        kernels.sparse_attention(*pat, q4, padded, v4, sq, sk, sv, 8, 0.1, 8, 8, 2)
+
+
 def test_long_row_uncached(kernels):
     """One row of 6000 keys (188 blocks, most past the score cache) next to short ones."""
     v, n, d = 8, 6000, 64

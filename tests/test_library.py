@@ -81,6 +81,40 @@ def test_opcheck_sparse_attention(p_bits, qk_bits, heads, expanded):
     torch.library.opcheck(torch.ops.magicube.sparse_attention.default, (*args, p.longest_row))
 
 
+@pytest.mark.parametrize("p_bits, qk_bits", [(0, 16), (8, 8)])
+def test_opcheck_sparse_attention_per_head_views(p_bits, qk_bits):
+    """Q, K, V as [B, H, T, d] views of a token-major [B, T, 3, H, d] tensor."""
+    g = torch.Generator().manual_seed(5)
+    b, heads, length, d, v = 2, 2, 24, 16, 4
+    p, _ = problem(b * heads, length // v, length, v, 0.5, 4)
+    if p_bits == 0:
+        qkv = torch.randn(b, length, 3, heads, d, generator=g).half()
+        scales = (None, None, None)
+    else:
+        qkv = to_container(random_ints((b, length, 3, heads, d), qk_bits, True, g), qk_bits)
+        scales = (torch.rand(b * heads, length), torch.rand(b * heads, length), torch.rand(b * heads, d))
+    args = (p.row_ptr, p.col_idx, p.row_order, *qkv.permute(2, 0, 3, 1, 4), *scales, v, d ** -0.5, qk_bits, p_bits,
+            heads)
+    torch.library.opcheck(torch.ops.magicube.sparse_attention.default, args)
+
+
+def test_sparse_attention_checks_per_head_views():
+    p, _ = problem(4, 2, 8, 4, 0.5, 0)
+    qkv = torch.zeros(2, 8, 3, 2, 8, dtype=torch.float16)
+    q, k, val = qkv.permute(2, 0, 3, 1, 4)  # [2, 2, 8, 8] views, rows 96 bytes apart
+    pat = (p.row_ptr, p.col_idx, p.row_order)
+    tail = (None, None, None, 4, 1.0, 16, 0)
+    with pytest.raises(ValueError, match=r"query: a 4-D \[B, heads, rows, d\] tensor needs heads = 4 in dim 1"):
+        torch.ops.magicube.sparse_attention(*pat, q, k, val, *tail, 4)
+    with pytest.raises(ValueError, match="all 3-D .* or all 4-D"):
+        torch.ops.magicube.sparse_attention(*pat, q, k.reshape(4, 8, 8), val, *tail, 2)
+    with pytest.raises(ValueError, match="key: expected contiguous rows on strides of whole 16 bytes"):
+        torch.ops.magicube.sparse_attention(*pat, q, k.transpose(2, 3), val, *tail, 2)
+    odd = torch.zeros(2, 8, 2, 12, dtype=torch.float16)[..., :8].transpose(1, 2)  # rows 24 bytes apart
+    with pytest.raises(ValueError, match="value: expected contiguous rows on strides of whole 16 bytes"):
+        torch.ops.magicube.sparse_attention(*pat, q, k, odd, *tail, 2)
+
+
 def test_sparse_attention_rejects_heads_not_dividing_bh():
     p, _ = problem(6, 2, 8, 4, 0.5, 0)
     q = torch.zeros(6, 8, 8, dtype=torch.float16)

@@ -200,6 +200,34 @@ def test_sparse_attention_heads_layout(p_bits, qk_bits):
         sparse_attention(p, q, k, val, **args, **per_head, heads=4)
 
 
+@pytest.mark.parametrize("p_bits, qk_bits", [(0, 16), (8, 8), (16, 8), (8, 4)])
+def test_sparse_attention_reads_per_head_views(p_bits, qk_bits):
+    """Q, K, V as [B, H, T, d] views of one token-major projection output [B, T, 3, H, d'] (read in
+    place), or of a layout whose rows the kernel cannot read in place (copied): the [B, T, H, dv]
+    result of the same values as [BH, T, d'] with heads=H."""
+    g = torch.Generator().manual_seed(9)
+    b, heads, length, d, v = 2, 3, 24, 16, 4
+    p, _ = problem(b * heads, length // v, length, v, 0.6, 7)
+    if p_bits == 0:
+        qkv = torch.randn(b, length, 3, heads, d, generator=g).half()
+        scales = dict(scale_q=None, scale_k=None, scale_v=None)
+    else:
+        qkv = to_container(random_ints((b, length, 3, heads, d), qk_bits, True, g), qk_bits)
+        s = torch.rand(3, b * heads, generator=g) / 2 ** qk_bits
+        scales = dict(scale_q=s[0], scale_k=s[1], scale_v=s[2])
+    args = dict(softmax_scale=d ** -0.5, qk_bits=qk_bits, p_bits=p_bits, **scales)
+    views = qkv.permute(2, 0, 3, 1, 4)  # [3, B, H, T, d']
+    want = sparse_attention(p, *(x.reshape(b * heads, length, -1) for x in views), heads=heads, **args)
+    got = sparse_attention(p, *views, **args)
+    assert got.shape == (b, length, heads, want.shape[-1]) and torch.equal(got, want)
+    odd = torch.cat([qkv, qkv[..., :1]], -1)[..., :-1].permute(2, 0, 3, 1, 4)  # rows off 16-byte strides: copied
+    assert torch.equal(sparse_attention(p, *odd, heads=heads, **args), want)
+    with pytest.raises(ValueError, match=r"heads: 4-D inputs hold their heads in dim 1 \(3\), got heads=2"):
+        sparse_attention(p, *views, heads=2, **args)
+    with pytest.raises(ValueError, match="all 3-D .* or all 4-D"):
+        sparse_attention(p, views[0], views[1].reshape(b * heads, length, -1), views[2], **args)
+
+
 def test_sparse_attention_rejects_a_pair_the_spmm_lacks():
     p, _ = problem(1, 2, 8, 4, 0.5, 0)
     q = torch.zeros(1, 8, 4, dtype=torch.int8)
