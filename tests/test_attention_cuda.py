@@ -300,25 +300,6 @@ def test_per_head_views_global_rows(kernels):
                     "per-head views, global rows")
 
 
-def test_per_head_view_checks(kernels):
-    """4-D inputs: heads must match dim 1, rows must be contiguous on 16-byte strides."""
-    p, _ = problem(4, 2, 64, 8, 0.5, seed=0)
-    cuda = p.to("cuda")
-    g = torch.Generator().manual_seed(0)
-    q, k, val, sq, sk, sv = (x.cuda() for x in make_inputs(4, p.m, 64, 64, 8, 8, g))
-    pat = (cuda.row_ptr, cuda.col_idx, cuda.row_order)
-    q4, k4, v4 = (token_major(x, 2) for x in (q, k, val))
-    with pytest.raises(RuntimeError, match="heads = 4"):
-        kernels.sparse_attention(*pat, q4, k4, v4, sq, sk, sv, 8, 0.1, 8, 8, 4)
-    with pytest.raises(RuntimeError, match="all be 3-D"):
-        kernels.sparse_attention(*pat, q4, k, v4, sq, sk, sv, 8, 0.1, 8, 8, 2)
-    with pytest.raises(RuntimeError, match="contiguous rows on strides"):
-        kernels.sparse_attention(*pat, q4, k4.transpose(2, 3), v4, sq, sk, sv, 8, 0.1, 8, 8, 2)
-    padded = torch.zeros(2, 64, 2, 72, dtype=torch.int8, device="cuda")[..., :64].transpose(1, 2)  # rows 72 bytes apart
-    with pytest.raises(RuntimeError, match="strides of whole 16 bytes"):
-        kernels.sparse_attention(*pat, q4, padded, v4, sq, sk, sv, 8, 0.1, 8, 8, 2)
-
-
 def test_long_row_uncached(kernels):
     """One row of 6000 keys (188 blocks, most past the score cache) next to short ones."""
     v, n, d = 8, 6000, 64
@@ -468,10 +449,10 @@ def test_current_stream_and_graph_capture(kernels):
 
 
 def test_argument_checks(kernels):
-    p, _ = problem(1, 2, 64, 8, 0.5, seed=0)
+    p, _ = problem(4, 2, 64, 8, 0.5, seed=0)
     cuda = p.to("cuda")
     g = torch.Generator().manual_seed(0)
-    q, k, val, sq, sk, sv = (x.cuda() for x in make_inputs(1, p.m, 64, 64, 8, 8, g))
+    q, k, val, sq, sk, sv = (x.cuda() for x in make_inputs(4, p.m, 64, 64, 8, 8, g))
     pat = (cuda.row_ptr, cuda.col_idx, cuda.row_order)
     with pytest.raises(RuntimeError, match="dv"):
         kernels.sparse_attention(*pat, q, k, val[..., :32].contiguous(), sq, sk, sv[:, :32].contiguous(), 8, 0.1, 8,
@@ -486,8 +467,19 @@ def test_argument_checks(kernels):
     with pytest.raises(RuntimeError, match="contiguous"):
         kernels.sparse_attention(*pat, q, k.transpose(1, 2).contiguous().transpose(1, 2), val, sq, sk, sv, 8, 0.1,
                                  8, 8, 1)
-    with pytest.raises(RuntimeError, match="heads must divide BH = 1, got 2"):
-        kernels.sparse_attention(*pat, q, k, val, sq, sk, sv, 8, 0.1, 8, 8, 2)
+    with pytest.raises(RuntimeError, match="heads must divide BH = 4, got 3"):
+        kernels.sparse_attention(*pat, q, k, val, sq, sk, sv, 8, 0.1, 8, 8, 3)
+    # 4-D inputs: heads in dim 1, rows contiguous on 16-byte strides
+    q4, k4, v4 = (token_major(x, 2) for x in (q, k, val))
+    with pytest.raises(RuntimeError, match="heads = 4"):
+        kernels.sparse_attention(*pat, q4, k4, v4, sq, sk, sv, 8, 0.1, 8, 8, 4)
+    with pytest.raises(RuntimeError, match="all be 3-D"):
+        kernels.sparse_attention(*pat, q4, k, v4, sq, sk, sv, 8, 0.1, 8, 8, 2)
+    with pytest.raises(RuntimeError, match="contiguous rows on strides"):
+        kernels.sparse_attention(*pat, q4, k4.transpose(2, 3), v4, sq, sk, sv, 8, 0.1, 8, 8, 2)
+    padded = torch.zeros(2, 64, 2, 72, dtype=torch.int8, device="cuda")[..., :64].transpose(1, 2)  # rows 72 bytes apart
+    with pytest.raises(RuntimeError, match="strides of whole 16 bytes"):
+        kernels.sparse_attention(*pat, q4, padded, v4, sq, sk, sv, 8, 0.1, 8, 8, 2)
     with pytest.raises(RuntimeError, match="scale_k must be a float32"):
         kernels.sparse_attention(*pat, q, k, val, sq, sk.double(), sv, 8, 0.1, 8, 8, 1)
     want = kernels.sparse_attention(*pat, q, k, val, sq, sk, sv, 8, 0.1, 8, 8, 1)
