@@ -8,6 +8,7 @@ the error is printed beside its time: a fast wrong answer never enters the table
     python -m magicube.eval.bench_model --quick       # B=8, L=4096, H=4, sparsity 0.9 only
     python -m magicube.eval.bench_model --quick --profile   # and where one layer's time goes
     python -m magicube.eval.bench_model --quick --compile --cuda-graph   # the leanest block PyTorch gives
+    python -m magicube.eval.bench_model --quick --compile reduce-overhead   # torch.compile's own CUDA graphs
 """
 
 from __future__ import annotations
@@ -117,14 +118,17 @@ def run_case(backend, batch, length, heads, sparsity, v, args, device, dtype) ->
     ref = reference_for(model)
     x = x_in.float()
     layer, ref_layer = model.blocks[0].attn, ref.blocks[0].attn
-    if getattr(args, "compile", False):
+    mode = getattr(args, "compile", None)
+    if mode:
         # Every backend alike: inductor fuses the LayerNorms, GELU and residual adds around the
         # attention, whose ops stay opaque to it. The errors below are those of the compiled code.
         # Static shapes: the bit widths stay Python constants (a recompile must not make them symbolic).
         # A fresh cache per case: the code compiled for one backend guards on its config, and dynamo
         # stops compiling a function after a few recompiles (later backends would run eagerly).
         torch._dynamo.reset()
-        model, layer = torch.compile(model, dynamic=False), torch.compile(layer, dynamic=False)
+        # reduce-overhead: torch.compile's own CUDA graphs, the one-line way for eager users.
+        mode = None if mode == "default" else mode
+        model, layer = torch.compile(model, dynamic=False, mode=mode), torch.compile(layer, dynamic=False, mode=mode)
     row = dict(backend=backend, batch=batch, length=length, heads=heads, sparsity=sparsity, v=v)
     row["model_rel_err"] = relative_error(model(ids).logits, ref(ids).logits)
     row["layer_rel_err"] = relative_error(layer(x_in), ref_layer(x))
@@ -182,12 +186,16 @@ def main(argv=None) -> int:
                         help="Q/K/V scales of the quantized backends: per batch x head on every forward, or "
                              "fixed per head after calibration, as the finetuned models run")
     parser.add_argument("--quick", action="store_true", help="only B=8, L=4096, H=4, sparsity 0.9")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model and the layer (every backend)")
+    parser.add_argument("--compile", nargs="?", const="default", choices=("default", "reduce-overhead"),
+                        help="torch.compile the model and the layer (every backend); reduce-overhead: with the "
+                             "CUDA graphs torch.compile makes itself (instead of --cuda-graph)")
     parser.add_argument("--profile", action="store_true",
                         help="also list the kernels one layer spends its time in (torch.profiler, outside any graph)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda where there is one")
     args = parser.parse_args(argv)
+    if args.compile == "reduce-overhead" and args.cuda_graph:
+        parser.error("--compile reduce-overhead replays CUDA graphs of its own; drop --cuda-graph")
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.float16 if device.type == "cuda" else torch.float32

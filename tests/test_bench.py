@@ -2,6 +2,7 @@
 
 import argparse
 
+import pytest
 import torch
 
 from magicube.eval import bench_model
@@ -28,9 +29,17 @@ def test_profile_lists_where_the_layer_spends_its_time():
 
 def test_compiled_model_is_checked_and_timed():
     """8b-4b: two bit widths in one layer, which must stay constants through recompiles."""
-    args = argparse.Namespace(reps=3, cuda_graph=False, compile=True)
+    args = argparse.Namespace(reps=3, cuda_graph=False, compile="default")
     row = bench_model.run_case("8b-4b-fused", 1, 64, 1, 0.5, 8, args, torch.device("cpu"), torch.float32)
     assert "rejected" not in row and row["layer_rel_err"] < 0.35 and row["model"]["median_ms"] > 0
+
+
+def test_reduce_overhead_excludes_the_manual_graph(capsys):
+    """--compile reduce-overhead replays torch.compile's own CUDA graphs: --cuda-graph on top of it is
+    refused by name rather than nesting one capture in another."""
+    with pytest.raises(SystemExit) as exit_info:
+        bench_model.main(["--compile", "reduce-overhead", "--cuda-graph"])
+    assert exit_info.value.code == 2 and "drop --cuda-graph" in capsys.readouterr().err
 
 
 def test_calibrated_scales_are_fitted_to_the_timed_inputs():
