@@ -150,7 +150,8 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, int64_t longes
     // random mask pays for the CTAs that return at once: 149.0 -> 150.5 us.
     const magicube::LongRows lr = magicube::long_rows(nnz_pad, vrows, longest_row, kSlots);
     if (lr.candidates > 0) {
-      const int split_smem = magicube::max_dynamic_smem<magicube::attention_detail::attention_kernel<OP, PB, D, DV, true>>();
+      using magicube::attention_detail::attention_kernel;
+      const int split_smem = magicube::max_dynamic_smem<attention_kernel<OP, PB, D, DV, true>>();
       MAGICUBE_CHECK(smem <= split_smem, "sparse_attention: needs ", smem,
                      " bytes of shared memory per block for the long rows, the device has ", split_smem);
       p.long_rows = static_cast<int>(lr.candidates);
@@ -257,8 +258,8 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
   MAGICUBE_CHECK(k4.size(3) == q4.size(3), "sparse_attention: key's last dim (", k4.size(3),
               ") must match query's (", q4.size(3), ")");
   MAGICUBE_CHECK(v4.size(2) == n, "sparse_attention: value must have N = ", n, " rows like key, got ", v4.size(2));
-  MAGICUBE_CHECK(d == 32 || d == 64 || d == 128, "sparse_attention: head dim d of query/key must be 32, 64 or 128, got ",
-              d);
+  MAGICUBE_CHECK(d == 32 || d == 64 || d == 128,
+                 "sparse_attention: head dim d of query/key must be 32, 64 or 128, got ", d);
   MAGICUBE_CHECK(dv == d, "sparse_attention: head dim dv of value (", dv, ") must equal the head dim d of query/key (",
               d, ")");
   MAGICUBE_CHECK(bh <= 65535 && vrows <= INT32_MAX && n < INT32_MAX && m < INT32_MAX,

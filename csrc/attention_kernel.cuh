@@ -338,8 +338,9 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   // ---- Key rows straight into registers: no shared-memory copy, which would cross the L1 data
   // pipe twice more (its fill and its reads) and take shared memory from the CTAs per SM. Blocks
   // past the score cache load theirs in pass 2 when used, unprefetched (a second Keys in flight
-  // there would cost the registers of a 5th CTA per SM). Lane (g, t) holds run t of the key rows of slots g, 8 + g, 16 + g, 24 + g (the B fragments
-  // of S = Q K^T), the key scale of slot `lane` and the mask of live slots.
+  // there would cost the registers of a 5th CTA per SM). Lane (g, t) holds run t of the key rows
+  // of slots g, 8 + g, 16 + g, 24 + g (the B fragments of S = Q K^T), the key scale of slot `lane`
+  // and the mask of live slots.
   struct Keys {
     uint32_t raw[4][NW];
     float sk;
