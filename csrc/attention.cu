@@ -71,19 +71,24 @@ magicube::attention_detail::Rows rows_of(const at::Tensor& t) {
           static_cast<uint32_t>(t.stride(2) * es)};
 }
 
-// A scale [BH, rows] of any non-negative strides (a per-(batch x head) scale expanded along its rows
-// has stride 0 there). The kernel steps along the rows by a 32-bit byte offset; returns that step.
-uint32_t check_scale(const at::Tensor& t, const char* name, int64_t bh, int64_t rows, const at::Device& device) {
+// A scale of the integer modes: fp32 [BH, rows], or [BH / heads, heads, rows] (a scale per head,
+// expanded over the batch with stride 0, is read in place), at any non-negative strides. The kernel
+// steps along the rows by a 32-bit byte offset.
+magicube::attention_detail::Scale scale_of(const at::Tensor& t, const char* name, int64_t bh, int64_t heads,
+                                           int64_t rows, const at::Device& device) {
   MAGICUBE_CHECK(t.is_cuda(), "sparse_attention: ", name, " must be a CUDA tensor, got one on ", t.device());
   MAGICUBE_CHECK(t.device() == device, "sparse_attention: ", name, " is on ", t.device(), " but query is on ", device);
-  MAGICUBE_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == bh && t.size(1) == rows,
-                 "sparse_attention: ", name, " must be a float32 [BH, ", rows, "] = [", bh, ", ", rows,
-                 "] tensor, got ", t.scalar_type(), " of ", t.dim(), " dims");
-  const int64_t step = rows > 1 ? t.stride(1) * static_cast<int64_t>(sizeof(float)) : 0;
-  MAGICUBE_CHECK(t.stride(0) >= 0 && step >= 0 && (rows - 1) * step < (int64_t(1) << 32),
+  const bool flat = t.dim() == 2 && t.size(0) == bh && t.size(1) == rows;
+  const bool split = t.dim() == 3 && t.size(0) * heads == bh && t.size(1) == heads && t.size(2) == rows;
+  MAGICUBE_CHECK(t.scalar_type() == at::kFloat && (flat || split), "sparse_attention: ", name,
+                 " must be a float32 [BH, ", rows, "] = [", bh, ", ", rows, "] or [B, heads, ", rows, "] = [",
+                 bh / heads, ", ", heads, ", ", rows, "] tensor, got ", t.scalar_type(), " of shape ", t.sizes());
+  const at::Tensor s = flat ? t.view({bh / heads, heads, rows}) : t;
+  const int64_t step = rows > 1 ? s.stride(2) * static_cast<int64_t>(sizeof(float)) : 0;
+  MAGICUBE_CHECK(s.stride(0) >= 0 && s.stride(1) >= 0 && step >= 0 && (rows - 1) * step < (int64_t(1) << 32),
                  "sparse_attention: ", name, " must have non-negative strides spanning less than 4 GiB along its "
-                 "rows, got strides (", t.stride(0), ", ", t.stride(1), ")");
-  return static_cast<uint32_t>(step);
+                 "rows, got strides ", t.strides());
+  return {s.data_ptr<float>(), s.stride(0), s.stride(1), static_cast<uint32_t>(step)};
 }
 
 // The kernel over `groups` row groups of every batch x head, rasterized in windows of batch x heads
@@ -279,15 +284,9 @@ at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& co
                 " keys exceed the exact int32 accumulation of this precision pair");
     for (const auto* s : {&scale_q, &scale_k, &scale_v})
       MAGICUBE_CHECK(s->has_value(), "sparse_attention: integer inputs need scale_q, scale_k and scale_v");
-    p.sq_step = check_scale(*scale_q, "scale_q", bh, m, device);
-    p.sk_step = check_scale(*scale_k, "scale_k", bh, n, device);
-    p.sv_step = check_scale(*scale_v, "scale_v", bh, dv, device);
-    p.scale_q = scale_q->data_ptr<float>();
-    p.scale_k = scale_k->data_ptr<float>();
-    p.scale_v = scale_v->data_ptr<float>();
-    p.sq_bh = scale_q->stride(0);
-    p.sk_bh = scale_k->stride(0);
-    p.sv_bh = scale_v->stride(0);
+    p.scale_q = scale_of(*scale_q, "scale_q", bh, heads, m, device);
+    p.scale_k = scale_of(*scale_k, "scale_k", bh, heads, n, device);
+    p.scale_v = scale_of(*scale_v, "scale_v", bh, heads, dv, device);
   }
 
   at::Tensor out = at::empty({bh / heads, m, heads, dv}, query_in.options().dtype(at::kHalf));

@@ -77,19 +77,23 @@ struct Rows {
   __device__ __forceinline__ const uint8_t* of(uint32_t b, uint32_t h) const { return data + b * batch + h * head; }
 };
 
+// A scale of the integer modes, fp32 over the rows (Q, K) or columns (V) of every batch x head at any
+// strides, so that a scale per head or per batch x head, expanded (stride 0), is read in place: element
+// i of batch b, head h lies `b * batch + h * head` elements plus `i * step` bytes after `data`.
+struct Scale {
+  const float* data;
+  int64_t batch, head;
+  uint32_t step;  // the host keeps (count - 1) * step below 2^32
+
+  __device__ __forceinline__ const float* of(uint32_t b, uint32_t h) const { return data + b * batch + h * head; }
+};
+
 struct Params {
   const int* row_ptr;
   const int* col_idx;
   const int* row_order;
   Rows q, k, val;          // M query rows, N key and value rows of every batch x head
-  // Scales of the integer modes, fp32 [BH, M], [BH, N], [BH, DV] at any strides, so that a scale
-  // per batch x head expanded along its rows (stride 0) is read in place: element (bh, i) of
-  // scale_q lies bh * sq_bh elements plus i * sq_step bytes from scale_q (likewise k, v).
-  const float* scale_q;
-  const float* scale_k;
-  const float* scale_v;
-  int64_t sq_bh, sk_bh, sv_bh;
-  uint32_t sq_step, sk_step, sv_step;
+  Scale scale_q, scale_k, scale_v;  // over M, N and DV; the integer modes only
   // [BH / heads, M, heads, DV]: batch x head bh = b * heads + h writes rows of b, head slot h, the
   // layout of [B, M, heads * DV] that the output projection reads.
   __half* out;
@@ -259,7 +263,7 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
     for (int i = 0; i < NW; ++i) raw[i] = 0;
     if (row_live) {
       ldg_words<C::kLaneBytes>(raw, p.q.of(b, h) + static_cast<uint32_t>(vrow * v + g) * p.q.row + t * C::kLaneBytes);
-      if constexpr (!C::kFp16) sq = *strided(p.scale_q + bh * p.sq_bh, vrow * v + g, p.sq_step);
+      if constexpr (!C::kFp16) sq = *strided(p.scale_q.of(b, h), vrow * v + g, p.scale_q.step);
     }
     qw.set(raw);
   }
@@ -288,7 +292,7 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   for (int k = 0; k < kRows; ++k) row_dst[k] = pinned(C::tile_offset(lane / LPR + kRowStep * k, lane_chunk * 16));
   const uint8_t* const key_base = pinned(p.k.of(b, h) + t * C::kLaneBytes);
   const uint8_t* const val_base = pinned(p.val.of(b, h) + lane_chunk * 16);
-  const float* const sk_base = pinned(p.scale_k + bh * p.sk_bh);
+  const float* const sk_base = pinned(p.scale_k.of(b, h));
   const int* const warp_cols = p.col_idx + start + (SPLIT ? warp : 0) * kSlots + lane;  // + j * kBlockStride * kSlots
   const uint32_t n_cols = static_cast<uint32_t>(p.n);
   const uint32_t ring = smem_addr(smem) + warp * C::kStages * C::kTileBytes;
@@ -348,14 +352,14 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   };
   // A key scale that is one number per batch x head (stride 0 along the keys, as the attention
   // layer passes it) is read once: sq * sk is then one product per query row.
-  const bool sk_uniform = p.sk_step == 0;
+  const bool sk_uniform = p.scale_k.step == 0;
   const float sqk = !C::kFp16 && sk_uniform && p.n > 0 ? sq * *sk_base : 0.f;
   auto load_keys = [&](int col_l, Keys& kr) {
     const bool live = static_cast<uint32_t>(col_l) < n_cols;
     kr.live = __ballot_sync(0xffffffffu, live);
     kr.sk = 0.f;
     if constexpr (!C::kFp16) {
-      if (live && !sk_uniform) kr.sk = *strided(sk_base, col_l, p.sk_step);
+      if (live && !sk_uniform) kr.sk = *strided(sk_base, col_l, p.scale_k.step);
     }
     // A dead slot (padding) loads key row 0 instead: its score is never kept, and an
     // unconditional load spares the zeroing and the predicated copies around it.
@@ -690,7 +694,7 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   auto out_rows = [&]() {
     return p.out + (static_cast<int64_t>(b) * p.m + static_cast<int64_t>(vrow) * v) * ld + h * DV;
   };
-  const float* const sv_base = p.scale_v + bh * p.sv_bh;
+  const float* const sv_base = p.scale_v.of(b, h);
 
   if constexpr (!SPLIT) {
     // The warp owns the whole row: round its accumulators straight to the output. The row sums
@@ -715,7 +719,7 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
         if constexpr (C::kFp16) {
           out[r * ld + dv] = __float2half_rn(acc[0][mt][e]);
         } else {
-          const float sv = *strided(sv_base, dv, p.sv_step);
+          const float sv = *strided(sv_base, dv, p.scale_v.step);
           out[r * ld + dv] = __float2half_rn(__ll2float_rn(total(mt, e)) * (rs[e & 1] * sv));
         }
       }
@@ -748,8 +752,8 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   const int c0 = (2 * threadIdx.x) % DV;
   float sv[2] = {0.f, 0.f};
   if constexpr (!C::kFp16) {
-    sv[0] = *strided(sv_base, c0, p.sv_step);
-    sv[1] = *strided(sv_base, c0 + 1, p.sv_step);
+    sv[0] = *strided(sv_base, c0, p.scale_v.step);
+    sv[1] = *strided(sv_base, c0 + 1, p.scale_v.step);
   }
   __syncthreads();
 

@@ -11,6 +11,7 @@
 
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
+#include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
 
 namespace magicube {
@@ -25,6 +26,10 @@ std::string message_piece(const T& x) {
     return c10::toString(x);
   } else if constexpr (std::is_same_v<T, c10::Device>) {
     return x.str();
+  } else if constexpr (std::is_same_v<T, c10::IntArrayRef>) {  // sizes or strides: [a, b, c]
+    std::string s = "[";
+    for (size_t i = 0; i < x.size(); ++i) s += (i ? ", " : "") + std::to_string(x[i]);
+    return s + "]";
   } else {
     return std::string(x);
   }

@@ -142,8 +142,7 @@ class Attention(nn.Module):
             scales = fakequant.positive(scales.detach())
             qkv = ops.qkv_projection(x, self.qkv.weight, self.qkv.bias, scales, heads=self.h,
                                      bits=QUANTIZED[backend][1])
-            per_bh = scales.view(3, 1, -1).expand(3, B, self.h).reshape(3, B * self.h)
-            return self.drop(self.proj(self.integer_ops(qkv, per_bh, B).to(x.dtype)))
+            return self.drop(self.proj(self.integer_ops(qkv, scales, B).to(x.dtype)))
         qkv = self.qkv(x).view(B, T, 3, self.h, E // self.h).permute(2, 0, 3, 1, 4)  # [3, B, H, T, d], a view
         q, k, v = qkv
         if backend == "dense":
@@ -203,14 +202,17 @@ class Attention(nn.Module):
         return y.view(B, H, T, d).transpose(1, 2).reshape(B, T, H * d)
 
     def integer_ops(self, qkv: torch.Tensor, scales: torch.Tensor, batch: int) -> torch.Tensor:
-        """sparse_ops on quantized Q, K, V: containers [3, B * H, T, d'] with fp32 scales [3, B * H]."""
+        """sparse_ops on quantized Q, K, V: containers [3, B * H, T, d'] with fp32 scales per Q/K/V and
+        head [3, H] (or [3, 1]: per tensor) or per Q/K/V and batch x head [3, B * H]."""
         T, H, d = qkv.shape[2], self.h, self.config.emb_dim // self.h
         pat = self.pattern(qkv.device)
-        (qq, kq, vq), (sq, sk, sv) = qkv, scales
+        qq, kq, vq = qkv
         p_bits, bits = QUANTIZED[self.config.attention]
-        if self.config.fused:
+        if self.config.fused:  # the kernel reads per-head scales in place
+            sq, sk, sv = scales
             return ops.sparse_attention(pat, qq, kq, vq, softmax_scale=d ** -0.5, qk_bits=bits, p_bits=p_bits,
                                         scale_q=sq, scale_k=sk, scale_v=sv, heads=H).view(batch, T, H * d)
+        sq, sk, sv = scales if scales.shape[1] == batch * H else scales.expand(3, H).repeat(1, batch)
         s = ops.sddmm(pat, qq, kq, bits=bits, scale_a=sq, scale_b=sk)
         p, row_scale = ops.sparse_softmax(pat, s, scale=d ** -0.5, out_bits=p_bits)
         y = ops.spmm(pat, p, vq, a_bits=p_bits, a_signed=False, b_bits=bits, scale_a=row_scale, scale_b=sv)

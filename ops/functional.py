@@ -22,15 +22,19 @@ def _pattern(pattern: SRBCRS, device: torch.device) -> SRBCRS:
     return pattern
 
 
-def expand_scale(scale, bh: int, n: int, name: str, device) -> torch.Tensor:
+def expand_scale(scale, bh: int, n: int, name: str, device, heads: int | None = None) -> torch.Tensor:
     """A per-tensor, per-(batch x head) or per-row scale as an fp32 [BH, n] view (expanded, not
-    copied: the fused attention reads it in place; spmm and sddmm take it contiguous)."""
+    copied: the fused attention reads it in place; spmm and sddmm take it contiguous). With `heads`,
+    also one scale per head shared by the batch ([heads]), as a [BH / heads, heads, n] view."""
     s = torch.as_tensor(scale, dtype=torch.float32, device=device)
+    if heads and s.dim() == 1 and s.numel() == heads:
+        return s.view(1, heads, 1).expand(bh // heads, heads, n)
     if s.dim() == 1 and s.numel() in (1, bh):
         s = s[:, None]
     if s.dim() not in (0, 2) or (s.dim() == 2 and (s.shape[0] not in (1, bh) or s.shape[1] not in (1, n))):
-        raise ValueError(f"{name}: expected a number, a 0-d tensor, [BH={bh}], [BH, 1] or [BH, {n}] scales, "
-                         f"got shape {tuple(s.shape)}")
+        per_head = "" if heads is None else f"[heads={heads}], "
+        raise ValueError(f"{name}: expected a number, a 0-d tensor, {per_head}[BH={bh}], [BH, 1] or [BH, {n}] "
+                         f"scales, got shape {tuple(s.shape)}")
     return s.expand(bh, n)
 
 
@@ -100,7 +104,9 @@ def sparse_attention(pattern: SRBCRS, query: torch.Tensor, key: torch.Tensor, va
     kernel and the three-op pipeline compute one function. query [BH, M, d], key [BH, N, d],
     value [BH, N, dv], or all three [B, H, rows, d] (any strides: per-head views of one Q/K/V
     projection output are read in place where their rows are contiguous on 16-byte strides);
-    integer inputs in the containers of qk_bits (int4 packed along d / dv).
+    integer inputs in the containers of qk_bits (int4 packed along d / dv). Scales: a number, one
+    per batch x head ([BH]), per row of Q and K and column of V ([BH, rows]), or with `heads` or
+    4-D inputs one per head ([heads]), shared by the batch; expanded forms are read in place.
 
     Returns [BH, M, dv], or with `heads` or 4-D inputs (BH = B * heads, bh = b * heads + h)
     [B, M, heads, dv]: the heads side by side, as an output projection reads them (a view as
@@ -125,7 +131,7 @@ def sparse_attention(pattern: SRBCRS, query: torch.Tensor, key: torch.Tensor, va
         bh = query.shape[0]
         query, key, value = (x.contiguous() for x in (query, key, value))
     dv = value.shape[-1] * (2 if (qk_bits == 4 and value.dtype == torch.uint8) else 1)
-    sq, sk, sv = (None if s is None else expand_scale(s, bh, n, name, query.device)
+    sq, sk, sv = (None if s is None else expand_scale(s, bh, n, name, query.device, heads)
                   for s, n, name in ((scale_q, p.m, "scale_q"), (scale_k, p.k, "scale_k"), (scale_v, dv, "scale_v")))
     out = _ops.sparse_attention(p.row_ptr, p.col_idx, p.row_order, query, key, value, sq, sk, sv, p.v,
                                 float(softmax_scale), qk_bits, p_bits, 1 if heads is None else heads, p.longest_row)

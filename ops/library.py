@@ -38,8 +38,9 @@ SCHEMAS = {
     # scores, quantized probabilities), so that a fused kernel computes the same function. Query,
     # key and value contiguous [BH, rows, d'] or [B, heads, rows, d'] views of any strides with
     # contiguous rows on 16-byte strides (the heads of one projection output, read in place);
-    # scales of any strides (an expanded per-(batch x head) scale is read in place); the output is
-    # [BH / heads, M, heads, dv] with bh = b * heads + h, which views as [B, M, heads * dv].
+    # scales [BH, rows] or [B, heads, rows] of any strides (a scale per batch x head or per head,
+    # expanded, is read in place); the output is [BH / heads, M, heads, dv] with bh = b * heads + h,
+    # which views as [B, M, heads * dv].
     "sparse_attention": "sparse_attention(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor query, "
                         "Tensor key, Tensor value, Tensor? scale_q, Tensor? scale_k, Tensor? scale_v, int v, "
                         "float softmax_scale, int qk_bits, int p_bits, int heads, int longest_row=-1) -> Tensor",
@@ -224,7 +225,9 @@ def check_sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale
         for name, s, rows in scales:
             if s is None:
                 raise ValueError(f"{name}: integer inputs need scale_q, scale_k and scale_v")
-            _check_tensor(name, s, torch.float32, shape=(bh, rows), device=device, contiguous=False)
+            # [BH, rows] or [B, heads, rows], at any strides (a per-head scale expanded over the batch)
+            shape = (bh // heads, heads, rows) if isinstance(s, torch.Tensor) and s.dim() == 3 else (bh, rows)
+            _check_tensor(name, s, torch.float32, shape=shape, device=device, contiguous=False)
     elif any(s is not None for _, s, _ in scales):
         raise ValueError("scale_q, scale_k, scale_v: fp16 inputs take no scales; pass None")
     return bh, m, dv

@@ -109,8 +109,10 @@ def sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits, long
 def sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale_q, scale_k, scale_v, v, softmax_scale,
                      qk_bits, p_bits, heads, longest_row=-1):
     del longest_row  # a kernel's hint; the function does not depend on it
-    # [B, heads, rows, d'] views as the [BH, rows, d'] they hold
+    # [B, heads, rows, d'] views as the [BH, rows, d'] they hold; [B, heads, rows] scales as [BH, rows]
     query, key, value = (x.reshape(-1, *x.shape[2:]) if x.dim() == 4 else x for x in (query, key, value))
+    scale_q, scale_k, scale_v = (s.reshape(-1, s.shape[-1]) if s is not None and s.dim() == 3 else s
+                                 for s in (scale_q, scale_k, scale_v))
     pattern = (row_ptr, col_idx, row_order)
     scores = sddmm(*pattern, query, key, scale_q, scale_k, v, qk_bits, torch.float16)
     probs, row_scale = sparse_softmax(*pattern, scores, v, softmax_scale, p_bits)

@@ -7,8 +7,9 @@ Covers an empty row, a row longer than the kernel's score cache (its recompute p
 over 4 warps (N past a warp's exact int32 accumulation), a global token's row among short ones,
 V = 2 and 8, head dims 32 and 64, shuffled and plain patterns, and the attention layer's call: the
 output as [B, M, heads, dv] with per-(batch x head) scales expanded along their rows (stride 0,
-read in place), also from Q, K, V as per-head views of token-major tensors. Exits non-zero if a
-result is far from the reference (the GPU tests hold it to the exact bounds).
+read in place), also from Q, K, V as per-head views of token-major tensors with per-head scales
+shared by the batch. Exits non-zero if a result is far from the reference (the GPU tests hold it
+to the exact bounds).
 """
 
 import sys
@@ -40,6 +41,14 @@ def to_cuda(x):
     return None if x is None else x.cuda()
 
 
+def mismatch(got, want, what) -> int:
+    """1 (and a line saying so) if the kernel's result is far from the reference, else 0."""
+    if torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+        return 0
+    print(f"MISMATCH {what}: max diff {float((got.float() - want.float()).abs().max()):.3g}")
+    return 1
+
+
 def main() -> int:
     extension.load("attention")
     bad = 0
@@ -65,28 +74,27 @@ def main() -> int:
                                                            d**-0.5, qk_bits, p_bits, heads).cpu()
             want = torch.ops.magicube.sparse_attention(p.row_ptr, p.col_idx, p.row_order, *args, v, d**-0.5,
                                                        qk_bits, p_bits, heads)
-            if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
-                bad += 1
-                print(f"MISMATCH v={v} d={d} heads={heads} p_bits={p_bits} qk_bits={qk_bits}: "
-                      f"max diff {float((got.float() - want.float()).abs().max()):.3g}")
-    # Q, K, V as [B, heads, rows, d] views of token-major tensors, read at their strides.
+            bad += mismatch(got, want, f"v={v} d={d} heads={heads} p_bits={p_bits} qk_bits={qk_bits}")
+    # Q, K, V as [B, heads, rows, d] views of token-major tensors, read at their strides (B = 2), with
+    # one scale per head shared by the batch: [B, heads, rows] views, stride 0 along batch and rows.
     for heads, rows, density in ((2, 4, 0.2), (4, 24, 0.02)):
         mask = torch.rand(rows, 1100, generator=g) < density
         mask[0], mask[2] = False, True
         p = SRBCRS.from_mask(VectorMask(mask, 8), stride=32)
         cuda = p.to("cuda")
         for p_bits, qk_bits in ((8, 8), (16, 8), (0, 16)):
-            args = inputs(heads, p.m, 1100, 64, p_bits, qk_bits, g, per_head=True)
-            dev = [to_cuda(x) for x in args]
-            qkv = [x.view(1, heads, *x.shape[1:]).transpose(1, 2).contiguous().transpose(1, 2) for x in dev[:3]]
-            got = torch.ops.magicube_cuda.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order, *qkv, *dev[3:],
+            args = list(inputs(2 * heads, p.m, 1100, 64, p_bits, qk_bits, g, per_head=True))
+            scales = [None] * 3
+            if p_bits:
+                args[3:] = [s[:heads].repeat(2, 1) for s in args[3:]]  # the first batch's, as [BH, rows] copies
+                scales = [s[:heads, :1].cuda().view(1, heads, 1).expand(2, heads, s.shape[1]) for s in args[3:]]
+            qkv = [x.cuda().view(2, heads, *x.shape[1:]).transpose(1, 2).contiguous().transpose(1, 2)
+                   for x in args[:3]]
+            got = torch.ops.magicube_cuda.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order, *qkv, *scales,
                                                            8, 0.125, qk_bits, p_bits, heads).cpu()
             want = torch.ops.magicube.sparse_attention(p.row_ptr, p.col_idx, p.row_order, *args, 8, 0.125, qk_bits,
                                                        p_bits, heads)
-            if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
-                bad += 1
-                print(f"MISMATCH token-major heads={heads} p_bits={p_bits} qk_bits={qk_bits}: "
-                      f"max diff {float((got.float() - want.float()).abs().max()):.3g}")
+            bad += mismatch(got, want, f"token-major heads={heads} p_bits={p_bits} qk_bits={qk_bits}")
     torch.cuda.synchronize()
     print("sanitize_attention:", "ok" if not bad else f"{bad} mismatches")
     return 1 if bad else 0

@@ -277,6 +277,36 @@ def test_per_head_views(kernels, p_bits, qk_bits, v, heads, per_head):
         assert torch.equal(got, copies), f"{what}: the views changed the output"
 
 
+@pytest.mark.parametrize("heads", [2, 3])
+@pytest.mark.parametrize("p_bits, qk_bits", PAIRS[:-1], ids=PAIR_IDS[:-1])
+def test_scales_per_head(kernels, p_bits, qk_bits, heads):
+    """One scale per head, shared by the batch: [B, heads, rows] views of [heads] scales (stride 0
+    along the batch and the rows), read in place beside 3-D and 4-D inputs, against the reference
+    and bit for bit the kernel's result with contiguous [BH, rows] copies."""
+    bh, rows, n, d, v = 4 * heads, 6, 333, 64, 8
+    p, emask = problem(bh, rows, n, v, 0.7, seed=40 + heads, shuffle=True)
+    g = torch.Generator().manual_seed(50 + heads)
+    q, k, val, *per_bh = make_inputs(bh, p.m, n, d, p_bits, qk_bits, g, per_head=True)
+    per_head = [s[:heads, 0] for s in per_bh]  # the first batch's scales serve every batch
+    widths = (p.m, n, d)
+    copies = [s.repeat(bh // heads)[:, None].expand(bh, c).contiguous() for s, c in zip(per_head, widths)]
+    views = [s.cuda().view(1, heads, 1).expand(bh // heads, heads, c) for s, c in zip(per_head, widths)]
+    cuda = p.to("cuda")
+    dev = [x.cuda() for x in (q, k, val)]
+    tail = (v, d**-0.5, qk_bits, p_bits, heads)
+    poison_allocator(float("nan"), torch.float16)
+    got = kernels.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev, *views, *tail)
+    from_views = kernels.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order,
+                                          *(token_major(x, heads) for x in dev), *views, *tail)
+    want = kernels.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev, *(c.cuda() for c in copies),
+                                    *tail)
+    what = f"per-head scales, heads={heads}"
+    assert torch.equal(got, want) and torch.equal(from_views, want), f"{what}: the scale views changed the output"
+    ref = torch.ops.magicube.sparse_attention(p.row_ptr, p.col_idx, p.row_order, q, k, val, *copies, *tail)
+    flat = lambda y: y.cpu().transpose(1, 2).reshape(bh, p.m, d)  # noqa: E731
+    check(p, emask, (q, k, val, *copies), flat(got), flat(ref), v, d**-0.5, qk_bits, p_bits, what)
+
+
 def test_per_head_views_global_rows(kernels):
     """Long rows read from per-head views: the split CTAs on the side stream and the whole-row
     kernel both take the strides (400 vector rows of density 0.01, 20 full, one empty; B 2, 4
@@ -482,6 +512,9 @@ def test_argument_checks(kernels):
         kernels.sparse_attention(*pat, q4, padded, v4, sq, sk, sv, 8, 0.1, 8, 8, 2)
     with pytest.raises(RuntimeError, match="scale_k must be a float32"):
         kernels.sparse_attention(*pat, q, k, val, sq, sk.double(), sv, 8, 0.1, 8, 8, 1)
+    with pytest.raises(RuntimeError, match=r"scale_v must be a float32 \[BH, 64\] = \[4, 64\] or \[B, heads, 64\] = "
+                                           r"\[2, 2, 64\] tensor, got Float of shape \[4, 1, 64\]"):
+        kernels.sparse_attention(*pat, q, k, val, sq, sk, sv.view(4, 1, 64), 8, 0.1, 8, 8, 2)
     want = kernels.sparse_attention(*pat, q, k, val, sq, sk, sv, 8, 0.1, 8, 8, 1)
     assert math.isfinite(float(want.float().sum()))
     # scales at any strides: every other element of a wider tensor (NaN in between)

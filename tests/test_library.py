@@ -61,9 +61,9 @@ def test_opcheck_softmax(out_bits):
     torch.library.opcheck(torch.ops.magicube.sparse_softmax.default, (*args, p.longest_row))
 
 
-@pytest.mark.parametrize("heads, expanded", [(1, False), (2, True), (4, False)])
+@pytest.mark.parametrize("heads, per", [(1, "row"), (2, "batch x head"), (2, "head"), (4, "row")])
 @pytest.mark.parametrize("p_bits, qk_bits", [(0, 16), (8, 8), (8, 4)])
-def test_opcheck_sparse_attention(p_bits, qk_bits, heads, expanded):
+def test_opcheck_sparse_attention(p_bits, qk_bits, heads, per):
     g = torch.Generator().manual_seed(4)
     bh, length, d, v = 4, 24, 8, 4
     p, _ = problem(bh, length // v, length, v, 0.5, 4)
@@ -72,8 +72,11 @@ def test_opcheck_sparse_attention(p_bits, qk_bits, heads, expanded):
         scales = (None, None, None)
     else:
         q, k, val = (to_container(random_ints((bh, length, d), qk_bits, True, g), qk_bits) for _ in range(3))
-        if expanded:  # one scale per batch x head, read in place
+        if per == "batch x head":  # expanded views, read in place
             scales = tuple(torch.rand(bh, 1, generator=g).expand(bh, n) for n in (length, length, d))
+        elif per == "head":  # [B, heads, rows], shared by the batch
+            scales = tuple(torch.rand(1, heads, 1, generator=g).expand(bh // heads, heads, n)
+                           for n in (length, length, d))
         else:
             scales = (torch.rand(bh, length), torch.rand(bh, length), torch.rand(bh, d))
     args = (p.row_ptr, p.col_idx, p.row_order, q, k, val, *scales, v, d ** -0.5, qk_bits, p_bits, heads)
@@ -113,6 +116,20 @@ def test_sparse_attention_checks_per_head_views():
     odd = torch.zeros(2, 8, 2, 12, dtype=torch.float16)[..., :8].transpose(1, 2)  # rows 24 bytes apart
     with pytest.raises(ValueError, match="value: expected contiguous rows on strides of whole 16 bytes"):
         torch.ops.magicube.sparse_attention(*pat, q, k, odd, *tail, 2)
+
+
+def test_sparse_attention_checks_scale_shapes():
+    p, _ = problem(4, 2, 8, 4, 0.5, 0)
+    q = torch.zeros(4, 8, 8, dtype=torch.int8)
+    pat = (p.row_ptr, p.col_idx, p.row_order, q, q, q)
+    s = torch.ones(4, 8)
+    with pytest.raises(ValueError, match=r"scale_k: expected shape \(2, 2, 8\), got .*\(4, 1, 8\)"):
+        torch.ops.magicube.sparse_attention(*pat, s, s.view(4, 1, 8), s, 4, 1.0, 8, 8, 2)
+    with pytest.raises(ValueError, match=r"scale_v: expected shape \(4, 8\), got .*\(8, 4\)"):
+        torch.ops.magicube.sparse_attention(*pat, s, s, s.view(8, 4), 4, 1.0, 8, 8, 2)
+    per_head = torch.ones(1, 2, 1).expand(2, 2, 8)
+    assert torch.equal(torch.ops.magicube.sparse_attention(*pat, per_head, per_head, per_head, 4, 1.0, 8, 8, 2),
+                       torch.ops.magicube.sparse_attention(*pat, s, s, s, 4, 1.0, 8, 8, 2))
 
 
 def test_sparse_attention_rejects_heads_not_dividing_bh():

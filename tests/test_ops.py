@@ -198,6 +198,13 @@ def test_sparse_attention_heads_layout(p_bits, qk_bits):
         assert torch.equal(out, flat.view(bh // heads, heads, length, d).transpose(1, 2))
     with pytest.raises(ValueError, match=r"heads: expected a positive divisor of BH = 6 .*got 4"):
         sparse_attention(p, q, k, val, **args, **per_head, heads=4)
+    if p_bits:  # one scale per head ([heads]), shared by the batch: the [BH] scales that repeat it
+        shared = {name: x[:2] for name, x in per_head.items()}
+        out = sparse_attention(p, q, k, val, **args, **shared, heads=2)
+        repeated = {name: x.repeat(3) for name, x in shared.items()}
+        assert torch.equal(out, sparse_attention(p, q, k, val, **args, **repeated, heads=2))
+        with pytest.raises(ValueError, match=r"scale_q: expected a number, a 0-d tensor, \[heads=2\], \[BH=6\]"):
+            sparse_attention(p, q, k, val, **args, **dict(shared, scale_q=shared["scale_q"][:1].repeat(4)), heads=2)
 
 
 @pytest.mark.parametrize("p_bits, qk_bits", [(0, 16), (8, 8), (16, 8), (8, 4)])
