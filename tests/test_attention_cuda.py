@@ -80,7 +80,13 @@ def run_both(kernels, p, inputs, v, softmax_scale, qk_bits, p_bits, heads=1):
                                                qk_bits, p_bits, heads)
     bh, m, dv = inputs[0].shape[0], inputs[0].shape[1], want.shape[-1]
     assert got.shape == want.shape == (bh // heads, m, heads, dv) and got.is_contiguous()
-    return tuple(y.transpose(1, 2).reshape(bh, m, dv) for y in (got.cpu(), want))
+    return heads_flat(got), heads_flat(want)
+
+
+def heads_flat(y):
+    """The op's [BH / heads, M, heads, dv] as [BH, M, dv], on the CPU."""
+    b, m, heads, dv = y.shape
+    return y.cpu().transpose(1, 2).reshape(b * heads, m, dv)
 
 
 def on_stream_and_captured(kernels, args):
@@ -271,8 +277,7 @@ def test_per_head_views(kernels, p_bits, qk_bits, v, heads, per_head):
                                                    p_bits, heads)
         assert got.shape == want.shape == (bh // heads, p.m, heads, d) and got.is_contiguous()
         what = f"per-head views, heads={heads}, BH={bh}, M={p.m}, N={n}"
-        flat = lambda y: y.cpu().transpose(1, 2).reshape(bh, p.m, d)  # noqa: E731
-        check(p, emask, inputs, flat(got), flat(want), v, d**-0.5, qk_bits, p_bits, what)
+        check(p, emask, inputs, heads_flat(got), heads_flat(want), v, d**-0.5, qk_bits, p_bits, what)
         copies = kernels.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order, q, k, val, *tail)
         assert torch.equal(got, copies), f"{what}: the views changed the output"
 
@@ -303,8 +308,7 @@ def test_scales_per_head(kernels, p_bits, qk_bits, heads):
     what = f"per-head scales, heads={heads}"
     assert torch.equal(got, want) and torch.equal(from_views, want), f"{what}: the scale views changed the output"
     ref = torch.ops.magicube.sparse_attention(p.row_ptr, p.col_idx, p.row_order, q, k, val, *copies, *tail)
-    flat = lambda y: y.cpu().transpose(1, 2).reshape(bh, p.m, d)  # noqa: E731
-    check(p, emask, (q, k, val, *copies), flat(got), flat(ref), v, d**-0.5, qk_bits, p_bits, what)
+    check(p, emask, (q, k, val, *copies), heads_flat(got), heads_flat(ref), v, d**-0.5, qk_bits, p_bits, what)
 
 
 def test_per_head_views_global_rows(kernels):
@@ -325,8 +329,7 @@ def test_per_head_views_global_rows(kernels):
     eager, captured = on_stream_and_captured(kernels, args)
     assert torch.equal(captured, eager)
     want = torch.ops.magicube.sparse_attention(p.row_ptr, p.col_idx, p.row_order, *inputs, v, d**-0.5, 8, 8, heads)
-    flat = lambda y: y.cpu().transpose(1, 2).reshape(bh, p.m, d)  # noqa: E731
-    check_quantized(p, VectorMask(mask, v).to_dense(), inputs, flat(eager), flat(want), v, d**-0.5, 8, 8,
+    check_quantized(p, VectorMask(mask, v).to_dense(), inputs, heads_flat(eager), heads_flat(want), v, d**-0.5, 8, 8,
                     "per-head views, global rows")
 
 
