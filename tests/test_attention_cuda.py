@@ -282,15 +282,25 @@ def test_per_head_views(kernels, p_bits, qk_bits, v, heads, per_head):
         assert torch.equal(got, copies), f"{what}: the views changed the output"
 
 
+@pytest.mark.parametrize("rows", ["awkward", "global"])
 @pytest.mark.parametrize("heads", [2, 3])
 @pytest.mark.parametrize("p_bits, qk_bits", PAIRS[:-1], ids=PAIR_IDS[:-1])
-def test_scales_per_head(kernels, p_bits, qk_bits, heads):
+def test_scales_per_head(kernels, p_bits, qk_bits, heads, rows):
     """One scale per head, shared by the batch: [B, heads, rows] views of [heads] scales (stride 0
     along the batch and the rows), read in place beside 3-D and 4-D inputs, against the reference
-    and bit for bit the kernel's result with contiguous [BH, rows] copies."""
-    bh, rows, n, d, v = 4 * heads, 6, 333, 64, 8
-    p, emask = problem(bh, rows, n, v, 0.7, seed=40 + heads, shuffle=True)
+    and bit for bit the kernel's result with contiguous [BH, rows] copies. Rows: an empty and a
+    full one among short ones (whole rows), or 20 global rows of 2048 keys among 400 of density
+    0.01 (the split kernel beside the whole-row one)."""
+    d, v = 64, 8
     g = torch.Generator().manual_seed(50 + heads)
+    if rows == "awkward":
+        bh, n = 4 * heads, 333
+        p, emask = problem(bh, 6, n, v, 0.7, seed=40 + heads, shuffle=True)
+    else:
+        bh, n = 2 * heads, 2048
+        mask = torch.rand(400, n, generator=g) < 0.01
+        mask[3::20], mask[7] = True, False
+        p, emask = SRBCRS.from_mask(VectorMask(mask, v), stride=32), VectorMask(mask, v).to_dense()
     q, k, val, *per_bh = make_inputs(bh, p.m, n, d, p_bits, qk_bits, g, per_head=True)
     per_head = [s[:heads, 0] for s in per_bh]  # the first batch's scales serve every batch
     widths = (p.m, n, d)
@@ -305,7 +315,7 @@ def test_scales_per_head(kernels, p_bits, qk_bits, heads):
                                           *(token_major(x, heads) for x in dev), *views, *tail)
     want = kernels.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev, *(c.cuda() for c in copies),
                                     *tail)
-    what = f"per-head scales, heads={heads}"
+    what = f"per-head scales, heads={heads}, {rows} rows"
     assert torch.equal(got, want) and torch.equal(from_views, want), f"{what}: the scale views changed the output"
     ref = torch.ops.magicube.sparse_attention(p.row_ptr, p.col_idx, p.row_order, q, k, val, *copies, *tail)
     check(p, emask, (q, k, val, *copies), heads_flat(got), heads_flat(ref), v, d**-0.5, qk_bits, p_bits, what)
