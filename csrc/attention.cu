@@ -45,8 +45,7 @@ at::Tensor heads_view(const at::Tensor& t, const char* name, int64_t heads, cons
   check_device(t, name, device);
   if (t.dim() == 3) {
     MAGICUBE_CHECK(t.is_contiguous(), "sparse_attention: a 3-D ", name, " [BH, rows, d] must be contiguous");
-    MAGICUBE_CHECK(heads >= 1 && t.size(0) % heads == 0, "sparse_attention: heads must divide BH = ", t.size(0),
-                   ", got ", heads);
+    MAGICUBE_CHECK(t.size(0) % heads == 0, "sparse_attention: heads must divide BH = ", t.size(0), ", got ", heads);
     return t.view({t.size(0) / heads, heads, t.size(1), t.size(2)});
   }
   MAGICUBE_CHECK(t.dim() == 4, "sparse_attention: ", name, " must be [BH, rows, d] or [B, heads, rows, d], got ",
@@ -58,8 +57,7 @@ at::Tensor heads_view(const at::Tensor& t, const char* name, int64_t heads, cons
   for (int i = 0; i < 3; ++i) aligned = aligned && (t.size(i) <= 1 || t.stride(i) * es % 16 == 0);
   aligned = aligned || t.is_contiguous();
   MAGICUBE_CHECK(aligned, "sparse_attention: ", name, " must be contiguous or have contiguous rows on strides of ",
-                 "whole 16 bytes, got strides (", t.stride(0), ", ", t.stride(1), ", ", t.stride(2), ", ",
-                 t.stride(3), ") of ", es, "-byte elements");
+                 "whole 16 bytes, got strides ", t.strides(), " of ", es, "-byte elements");
   MAGICUBE_CHECK(t.size(2) <= 1 || (t.size(2) - 1) * t.stride(2) * es < (int64_t(1) << 32), "sparse_attention: ",
                  name, "'s rows of one batch x head must span less than 4 GiB");
   return t;
@@ -76,8 +74,7 @@ magicube::attention_detail::Rows rows_of(const at::Tensor& t) {
 // steps along the rows by a 32-bit byte offset.
 magicube::attention_detail::Scale scale_of(const at::Tensor& t, const char* name, int64_t bh, int64_t heads,
                                            int64_t rows, const at::Device& device) {
-  MAGICUBE_CHECK(t.is_cuda(), "sparse_attention: ", name, " must be a CUDA tensor, got one on ", t.device());
-  MAGICUBE_CHECK(t.device() == device, "sparse_attention: ", name, " is on ", t.device(), " but query is on ", device);
+  check_device(t, name, device);
   const bool flat = t.dim() == 2 && t.size(0) == bh && t.size(1) == rows;
   const bool split = t.dim() == 3 && t.size(0) * heads == bh && t.size(1) == heads && t.size(2) == rows;
   MAGICUBE_CHECK(t.scalar_type() == at::kFloat && (flat || split), "sparse_attention: ", name,

@@ -124,9 +124,8 @@ def sparse_attention(pattern: SRBCRS, query: torch.Tensor, key: torch.Tensor, va
             raise ValueError(f"heads: 4-D inputs hold their heads in dim 1 ({query.shape[1]}), got heads={heads}")
         heads = query.shape[1]
         bh = query.shape[0] * heads
-        # read in place where the kernel can: rows contiguous on 16-byte strides
-        query, key, value = (x if x.stride(-1) == 1 and library.rows_aligned(x) else x.contiguous()
-                             for x in (query, key, value))
+        # read in place where the kernel can
+        query, key, value = (x if library.rows_readable(x) else x.contiguous() for x in (query, key, value))
     else:
         bh = query.shape[0]
         query, key, value = (x.contiguous() for x in (query, key, value))

@@ -185,7 +185,7 @@ def _attention_operand(name, t, dtype, heads, device):
         raise ValueError(f"{name}: expected a 3-D [BH, rows, d] or 4-D [B, heads, rows, d] tensor, got {_describe(t)}")
     if t.shape[1] != heads:
         raise ValueError(f"{name}: a 4-D [B, heads, rows, d] tensor needs heads = {heads} in dim 1, got {_describe(t)}")
-    if not t.is_contiguous() and (t.stride(-1) != 1 or not rows_aligned(t)):
+    if not rows_readable(t):
         raise ValueError(f"{name}: expected contiguous rows on strides of whole 16 bytes, got strides {t.stride()} "
                          f"for {_describe(t)}")
     return t.shape[0] * t.shape[1], t.shape[2], t.shape[3]
@@ -240,6 +240,12 @@ def rows_aligned(x) -> bool:
     """Whether the leading dims step x's rows by multiples of 16 bytes (the kernel reads 8
     elements per load), so that rows start on 16 bytes wherever the first one does."""
     return not any(st * x.element_size() % 16 for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1)
+
+
+def rows_readable(x) -> bool:
+    """Whether the fused attention reads x's rows where they lie: x contiguous, or its rows
+    contiguous on 16-byte strides (per-head views of one projection output)."""
+    return x.is_contiguous() or (x.stride(-1) == 1 and rows_aligned(x))
 
 
 def check_quantize(x, scale, bits, is_signed):

@@ -282,6 +282,14 @@ def test_per_head_views(kernels, p_bits, qk_bits, v, heads, per_head):
         assert torch.equal(got, copies), f"{what}: the views changed the output"
 
 
+def global_rows(n, v, g):
+    """400 vector rows of density 0.01 over n keys, every 20th full (global tokens) and row 7
+    empty: the pattern and its element mask."""
+    mask = torch.rand(400, n, generator=g) < 0.01
+    mask[3::20], mask[7] = True, False
+    return SRBCRS.from_mask(VectorMask(mask, v), stride=32), VectorMask(mask, v).to_dense()
+
+
 @pytest.mark.parametrize("rows", ["awkward", "global"])
 @pytest.mark.parametrize("heads", [2, 3])
 @pytest.mark.parametrize("p_bits, qk_bits", PAIRS[:-1], ids=PAIR_IDS[:-1])
@@ -298,9 +306,7 @@ def test_scales_per_head(kernels, p_bits, qk_bits, heads, rows):
         p, emask = problem(bh, 6, n, v, 0.7, seed=40 + heads, shuffle=True)
     else:
         bh, n = 2 * heads, 2048
-        mask = torch.rand(400, n, generator=g) < 0.01
-        mask[3::20], mask[7] = True, False
-        p, emask = SRBCRS.from_mask(VectorMask(mask, v), stride=32), VectorMask(mask, v).to_dense()
+        p, emask = global_rows(n, v, g)
     q, k, val, *per_bh = make_inputs(bh, p.m, n, d, p_bits, qk_bits, g, per_head=True)
     per_head = [s[:heads, 0] for s in per_bh]  # the first batch's scales serve every batch
     widths = (p.m, n, d)
@@ -325,12 +331,10 @@ def test_per_head_views_global_rows(kernels):
     """Long rows read from per-head views: the split CTAs on the side stream and the whole-row
     kernel both take the strides (400 vector rows of density 0.01, 20 full, one empty; B 2, 4
     heads), eager and captured in a CUDA graph."""
-    heads, rows, n, v, d = 4, 400, 2048, 8, 64
+    heads, n, v, d = 4, 2048, 8, 64
     bh = 2 * heads
     g = torch.Generator().manual_seed(32)
-    mask = torch.rand(rows, n, generator=g) < 0.01
-    mask[3::20], mask[7] = True, False
-    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
+    p, emask = global_rows(n, v, g)
     inputs = make_inputs(bh, p.m, n, d, 8, 8, g, per_head=True)
     cuda = p.to("cuda")
     q, k, val, *scales = (to_cuda(x) for x in inputs)
@@ -339,7 +343,7 @@ def test_per_head_views_global_rows(kernels):
     eager, captured = on_stream_and_captured(kernels, args)
     assert torch.equal(captured, eager)
     want = torch.ops.magicube.sparse_attention(p.row_ptr, p.col_idx, p.row_order, *inputs, v, d**-0.5, 8, 8, heads)
-    check_quantized(p, VectorMask(mask, v).to_dense(), inputs, heads_flat(eager), heads_flat(want), v, d**-0.5, 8, 8,
+    check_quantized(p, emask, inputs, heads_flat(eager), heads_flat(want), v, d**-0.5, 8, 8,
                     "per-head views, global rows")
 
 
@@ -400,12 +404,9 @@ def test_global_rows(kernels, p_bits, qk_bits):
     and a reversed row_order put long rows past the positions the split CTAs look at (a
     permutation of any order is a valid pattern: the order only balances load), where a warp
     takes them: still within the bound of the reference."""
-    bh, rows, n, v, d = 3, 400, 2048, 8, 64
+    bh, n, v, d = 3, 2048, 8, 64
     g = torch.Generator().manual_seed(31)
-    mask = torch.rand(rows, n, generator=g) < 0.01
-    mask[3::20], mask[7] = True, False
-    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
-    emask = VectorMask(mask, v).to_dense()
+    p, emask = global_rows(n, v, g)
     inputs = make_inputs(bh, p.m, n, d, p_bits, qk_bits, g)
     got, want = run_both(kernels, p, inputs, v, d**-0.5, qk_bits, p_bits)
     check(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, "global rows")
