@@ -62,4 +62,25 @@ int max_active_ctas(int threads, int64_t smem) {
   });
 }
 
+// Launches `kernel` so that it may start while the kernel before it on the stream finishes
+// (programmatic dependent launch, sm_90+): the kernel must call `await_inputs()` before it reads
+// or writes any global memory. Elsewhere a plain launch.
+template <class... KernelArgs, class... Args>
+void launch_overlapped(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute overlap;
+  overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  overlap.val.programmaticStreamSerializationAllowed = 1;
+  if (at::cuda::getCurrentDeviceProperties()->major >= 9) {
+    config.attrs = &overlap;
+    config.numAttrs = 1;
+  }
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
 }  // namespace magicube

@@ -26,6 +26,22 @@ __device__ __forceinline__ T* pinned(T* x) {
   return reinterpret_cast<T*>(u);
 }
 
+// A kernel launched by launch_overlapped (launch.cuh) may start while its predecessor on the
+// stream still runs: await_inputs() waits until that grid has finished and its writes are visible.
+// Once every CTA has called allow_next_launch() (or exited), the next overlapped kernel may start
+// launching; called near the end, its CTAs do not hold shared memory (the L1 carve-out) while this
+// kernel's still gather.
+__device__ __forceinline__ void await_inputs() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_next_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // Shared memory and asynchronous copies.
 

@@ -398,6 +398,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   constexpr int kStageBytes = kDenseStage + kSparseStage;
   __shared__ __align__(128) uint8_t smem[kStages * kStageBytes];
 
+  await_inputs();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int vrow = p.row_order[blockIdx.x];
@@ -567,6 +568,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
       }
     }
   }
+  allow_next_launch();
   // Every block that carried data was waited for in the loop, and the epilogue reads no shared
   // memory, so no barrier remains.
   write_vector_row<AB, AS, BB, kMT>(p, r, bh, vrow, blockIdx.y * K::kTileCols + wchunk0 * K::kColsPerChunk,
@@ -618,6 +620,7 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
   // registers (16-bit values with four m-tiles).
   constexpr int kAhead = K::kAPlanes * kMT > 4 ? 2 : 4;
   extern __shared__ __align__(128) uint8_t slice[];
+  await_inputs();
   const uint32_t slice0 = smem_addr(slice);
   const int bh = blockIdx.z;
   const int byte0 = blockIdx.y * kResidentSliceBytes;

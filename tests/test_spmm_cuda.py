@@ -260,6 +260,48 @@ def test_current_stream(kernels):
     assert torch.equal(got.cpu(), want)
 
 
+def test_chained_calls_wait_for_their_inputs(kernels):
+    """Each call reads the one before it: the fp16 output's bits, viewed as int8, are the next
+    call's B (K = M), three calls deep, replayed from a CUDA graph so that the launches follow each
+    other on the GPU. On sm_90 a call may start launching while its predecessor still writes (the
+    gather kernel lets the next one launch before its epilogue), so it must wait for those writes
+    before reading anything. Compared bit for bit (as int16: a NaN's bits are data here)."""
+    bh, rows, v = 4, 128, 8
+    p, emask = problem(bh, rows, rows * v, v, 0.7, seed=5)
+    g = torch.Generator().manual_seed(5)
+    a_values, b = _inputs(p, emask, bh, p.m, 16, 8, True, 8, g)
+    sa = (torch.rand(bh, p.m, generator=g) + 0.01) / 128
+    sbs = [(torch.rand(bh, 16 << i, generator=g) + 0.01) / 128 for i in range(3)]
+    want, x = [], b
+    for sb in sbs:
+        y = torch.ops.magicube.spmm(p.row_ptr, p.col_idx, p.row_order, a_values, x, sa, sb, v, p.m, 8, True, 8,
+                                    torch.float16)
+        want.append(y)
+        x = y.view(torch.int8)
+    cuda = p.to("cuda")
+    dev = [t.cuda() for t in (a_values, b, sa, *sbs)]
+
+    def chain():
+        out, x = [], dev[1]
+        for sb in dev[3:]:
+            y = kernels.spmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, dev[0], x, dev[2], sb, v, p.m, 8, True, 8,
+                             torch.float16)
+            out.append(y)
+            x = y.view(torch.int8)
+        return out
+
+    chain()  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (y, w) in enumerate(zip(got, want)):
+            assert torch.equal(y.cpu().view(torch.int16), w.view(torch.int16)), f"call {i + 1} of the chain differs"
+
+
 def test_public_op_dispatches_to_kernel(kernels):
     """magicube.ops.spmm on CUDA tensors gives the reference's answer."""
     from magicube.ops import spmm
