@@ -260,7 +260,8 @@ def test_current_stream(kernels):
     assert torch.equal(got.cpu(), want)
 
 
-def test_chained_calls_wait_for_their_inputs(kernels):
+@pytest.mark.parametrize("b_bits", [8])  # named, so that the fixture runs both kernels
+def test_chained_calls_wait_for_their_inputs(kernels, b_bits):
     """Each call reads the one before it: the fp16 output's bits, viewed as int8, are the next
     call's B (K = M), three calls deep, replayed from a CUDA graph so that the launches follow each
     other on the GPU. On sm_90 a call may start launching while its predecessor still writes (the
@@ -269,7 +270,7 @@ def test_chained_calls_wait_for_their_inputs(kernels):
     bh, rows, v = 4, 128, 8
     p, emask = problem(bh, rows, rows * v, v, 0.7, seed=5)
     g = torch.Generator().manual_seed(5)
-    a_values, b = _inputs(p, emask, bh, p.m, 16, 8, True, 8, g)
+    a_values, b = _inputs(p, emask, bh, p.m, 16, 8, True, b_bits, g)
     sa = (torch.rand(bh, p.m, generator=g) + 0.01) / 128
     sbs = [(torch.rand(bh, 16 << i, generator=g) + 0.01) / 128 for i in range(3)]
     want, x = [], b
