@@ -260,6 +260,16 @@ def test_current_stream(kernels):
     assert torch.equal(got.cpu(), want)
 
 
+def spmm_chain(op, p, a_values, b, sa, sbs):
+    """op's fp16 outputs of a chain of 8-bit SpMM calls on pattern p (K = M), each taking the bits of
+    the previous output, viewed as int8, as its B."""
+    out = []
+    for sb in sbs:
+        out.append(op(p.row_ptr, p.col_idx, p.row_order, a_values, b, sa, sb, p.v, p.m, 8, True, 8, torch.float16))
+        b = out[-1].view(torch.int8)
+    return out
+
+
 @pytest.mark.parametrize("b_bits", [8])  # named, so that the fixture runs both kernels
 def test_chained_calls_wait_for_their_inputs(kernels, b_bits):
     """Each call reads the one before it: the fp16 output's bits, viewed as int8, are the next
@@ -273,29 +283,14 @@ def test_chained_calls_wait_for_their_inputs(kernels, b_bits):
     a_values, b = _inputs(p, emask, bh, p.m, 16, 8, True, b_bits, g)
     sa = (torch.rand(bh, p.m, generator=g) + 0.01) / 128
     sbs = [(torch.rand(bh, 16 << i, generator=g) + 0.01) / 128 for i in range(3)]
-    want, x = [], b
-    for sb in sbs:
-        y = torch.ops.magicube.spmm(p.row_ptr, p.col_idx, p.row_order, a_values, x, sa, sb, v, p.m, 8, True, 8,
-                                    torch.float16)
-        want.append(y)
-        x = y.view(torch.int8)
+    want = spmm_chain(torch.ops.magicube.spmm, p, a_values, b, sa, sbs)
     cuda = p.to("cuda")
-    dev = [t.cuda() for t in (a_values, b, sa, *sbs)]
-
-    def chain():
-        out, x = [], dev[1]
-        for sb in dev[3:]:
-            y = kernels.spmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, dev[0], x, dev[2], sb, v, p.m, 8, True, 8,
-                             torch.float16)
-            out.append(y)
-            x = y.view(torch.int8)
-        return out
-
-    chain()  # warm-up outside the capture
+    args = (kernels.spmm, cuda, a_values.cuda(), b.cuda(), sa.cuda(), [sb.cuda() for sb in sbs])
+    spmm_chain(*args)  # warm-up outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = chain()
+        got = spmm_chain(*args)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
