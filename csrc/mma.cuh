@@ -50,10 +50,15 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 // 16-byte global->shared copy that zero-fills the bytes past `src_bytes` (0 reads nothing).
-// .ca keeps the line in L1: gathered dense rows are re-read by other vector rows of the CTAs
-// resident on the same SM.
+// L1: .ca, which keeps the line in L1 for other vector rows of the CTAs resident on the same SM
+// that gather the same dense row; else .cg, which reads through L2 only.
+template <bool L1 = true>
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+  if constexpr (L1) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+  }
 }
 __device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
