@@ -453,11 +453,12 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
           b_chunk + static_cast<uint64_t>(live ? static_cast<uint32_t>(c[q]) : 0u) * static_cast<uint32_t>(p.row_bytes);
       const uint32_t dst = stage + cdst[q];
       if constexpr (FAST) {
-        // 8-bit B bypasses L1 (.cg): H100, 96 cells of L8-R8 and L16-R8 (M = K 512-4096, V 2 and
-        // 8, sparsity 0.7-0.98, N 128 and 256), 3.3 % less time on the geometric mean, 5.5 % at
-        // N 256, up to 17 % (the target shape 9.8 -> 8.7 us). 4-bit B keeps its L1 lines (.ca):
-        // through L2 only it was 1.6 % slower, up to 32 % at N 128 (rows of 64 bytes).
-        cp_async16<BB != 8>(dst, src, live ? 16 : 0);
+        // 8- and 16-bit B bypass L1 (.cg). H100, M = K 512-4096, V 2 and 8, sparsity 0.7-0.98:
+        // L8-R8 and L16-R8 (N 128, 256) 3.3 % less time on the geometric mean, up to 17 % (the
+        // target shape 9.8 -> 8.7 us); L16-R16 and fp16 (N 128-512) 5.2 % and 10.7 %, up to
+        // 28 %. 4-bit B keeps its L1 lines (.ca): through L2 only it was 1.6 % slower, up to
+        // 32 % at N 128 (rows of 64 bytes).
+        cp_async16<BB == 4>(dst, src, live ? 16 : 0);
       } else if (p.copy_bytes >= 4) {
         for (int piece = 0; piece < 16; piece += p.copy_bytes) {
           const bool in = live && cbyte + piece < p.row_bytes;
