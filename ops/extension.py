@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 FAMILIES = ("quantize", "spmm", "sddmm", "softmax", "attention")
 OP_FAMILY = {"quantize": "quantize", "spmm": "spmm", "sddmm": "sddmm", "sparse_softmax": "softmax", "sparse_attention": "attention"}
@@ -86,24 +87,40 @@ def load(family: str) -> None:
     if reason:
         raise RuntimeError(f"cannot build the {family!r} kernels: {reason}")
     name = f"magicube_{family}"
-    build_dir = os.environ.get("MAGICUBE_BUILD_DIR")
-    if build_dir:
-        build_dir = str(Path(build_dir) / name)
-        os.makedirs(build_dir, exist_ok=True)
+    root = os.environ.get("MAGICUBE_BUILD_DIR")
+    build_dir = str(Path(root) / name) if root else cpp_extension._get_build_directory(name, verbose=False)
+    os.makedirs(build_dir, exist_ok=True)
     print(f"magicube: loading the {family} kernels (compiled on first use, which takes a few minutes; "
           "cached afterwards)", file=sys.stderr, flush=True)
-    cpp_extension.load(
-        name=name,
-        sources=[str(s) for s in srcs],
-        # --threads=0: nvcc compiles the target archs in parallel
-        extra_cuda_cflags=["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "--threads=0",
-                           *_arch_flags()],
-        extra_cflags=["-O3", "-std=c++20"],
-        extra_include_paths=_include_paths(),
-        build_directory=build_dir,
-        is_python_module=False,
-        verbose=bool(os.environ.get("MAGICUBE_VERBOSE_BUILD")),
-    )
+    # An OS lock, which dies with its holder: builds of one family wait for each other here, and
+    # a torch baton (below) seen while holding it is a leftover.
+    with FileLock(os.path.join(build_dir, "magicube.lock")):
+        _remove_stale_baton(Path(build_dir), family)
+        cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in srcs],
+            # --threads=0: nvcc compiles the target archs in parallel
+            extra_cuda_cflags=["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "--threads=0",
+                               *_arch_flags()],
+            extra_cflags=["-O3", "-std=c++20"],
+            extra_include_paths=_include_paths(),
+            build_directory=build_dir,
+            is_python_module=False,
+            verbose=bool(os.environ.get("MAGICUBE_VERBOSE_BUILD")),
+        )
+
+
+def _remove_stale_baton(build_dir: Path, family: str) -> None:
+    """torch before 2.14 marks a build in progress by a file `lock` whose existence alone makes
+    every later load wait, silently and forever where the build was killed (Ctrl-C during a first
+    build). Called under the family's OS lock, so no build of ours is running."""
+    from torch.utils import cpp_extension
+
+    baton = build_dir / "lock"
+    if hasattr(cpp_extension, "FileBaton") and baton.exists():
+        print(f"magicube: removing {baton}, left by a build of the {family} kernels that was stopped",
+              file=sys.stderr, flush=True)
+        baton.unlink()
 
 
 @functools.cache
