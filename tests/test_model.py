@@ -196,6 +196,20 @@ def test_the_layer_quantizes_through_the_one_pass_op(monkeypatch):
         assert torch.equal(attn(x), want)
 
 
+@pytest.mark.parametrize("scales", ["absmax", "calibrated"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_quantized_layer_compiles_into_one_graph(fused, scales):
+    """torch.compile takes the whole 8b-8b layer in one graph once its pattern is built (fullgraph:
+    a graph break raises), the quantize op included, and computes what the layer computes eagerly."""
+    quant = dict(quant_precision="8b-8b", quant_scales="fixed") if scales == "calibrated" else {}
+    attn = LRAClassifier(small_config(attention="8b-8b", fused=fused, **quant)).eval().blocks[0].attn
+    x = torch.randn(2, 64, 32, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = attn(x)  # builds and caches the pattern, which the compiled layer then reads
+        got = torch.compile(attn, backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(got, want)
+
+
 def test_training_path_and_gradients():
     torch.manual_seed(0)
     model = LRAClassifier(small_config()).train()
