@@ -182,7 +182,8 @@ void dispatch_bits(const at::Tensor& x, const at::Tensor& scale, int64_t bits, b
   }
 }
 
-at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& scale, int64_t bits, bool is_signed) {
+at::Tensor quantize_cuda(const at::Tensor& x_in, const at::Tensor& scale, int64_t bits, bool is_signed) {
+  const at::Tensor x = magicube::aligned16(x_in);
   MAGICUBE_CHECK(x.is_cuda() && scale.is_cuda() && scale.device() == x.device(),
                  "quantize: x and scale must be on one CUDA device");
   MAGICUBE_CHECK(x.dim() >= 1 && x.dim() <= kDigits, "quantize: x must have 1 to ", kDigits, " dims, got ", x.dim());
@@ -194,9 +195,9 @@ at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& scale, int64_t b
   bool small = x.size(lead) / kGroup <= INT32_MAX;
   for (int64_t i = 0; i < lead; ++i) small = small && x.size(i) <= INT32_MAX;
   MAGICUBE_CHECK(small, "quantize: x's leading dims and cols / 8 must be below 2^31");
-  bool aligned = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  bool aligned = true;
   for (int64_t i = 0; i < lead; ++i) aligned = aligned && (x.size(i) == 1 || x.stride(i) * x.element_size() % 16 == 0);
-  MAGICUBE_CHECK(aligned, "quantize: every row of x must start on 16 bytes (pointer and leading strides)");
+  MAGICUBE_CHECK(aligned, "quantize: the rows of x must lie a multiple of 16 bytes apart (leading strides)");
   MAGICUBE_CHECK(scale.scalar_type() == at::kFloat && scale.sizes() == x.sizes().slice(0, lead),
                  "quantize: scale must be float32 with one value per row of x (x's shape less its last dim)");
   const bool ok = is_signed ? (bits == 4 || bits == 8 || bits == 12 || bits == 16) : (bits == 4 || bits == 8 || bits == 16);

@@ -149,12 +149,10 @@ def quantize_to_container(x: torch.Tensor, scale, bits: int, signed: bool = True
     s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     per_row = s.dim() <= x.dim() and (s.dim() == 0 or s.shape[-1] == 1) and \
         torch.broadcast_shapes(s.shape, x.shape) == x.shape
-    # torch.compile traces neither an address nor a storage offset (either would break the graph
-    # here): under it the op's own check, which its fake kernel runs while compiling, rejects a
-    # first row off 16 bytes instead of this falling back.
-    first_row = torch.compiler.is_compiling() or x.data_ptr() % 16 == 0
+    # Shapes and strides only: torch.compile traces no address (the op copies an x whose first row is
+    # off 16 bytes).
     takes = (x.dtype in (torch.float16, torch.float32) and 1 <= x.dim() <= library.QUANTIZE_MAX_DIM
-             and x.shape[-1] % 8 == 0 and x.stride(-1) == 1 and first_row and library.rows_aligned(x))
+             and x.shape[-1] % 8 == 0 and x.stride(-1) == 1 and library.rows_aligned(x))
     if not (per_row and takes):
         return quant.quantize_to_container(x, s, bits, signed).contiguous()
     return _ops.quantize(x, (s[..., 0] if s.dim() else s).expand(x.shape[:-1]), bits, signed)

@@ -262,9 +262,9 @@ def check_quantize(x, scale, bits, is_signed):
     if x.stride(-1) != 1:
         raise ValueError(f"x: expected a contiguous last dim (stride 1), got strides {x.stride()} for "
                          f"{_describe(x)}")
-    if x.storage_offset() * x.element_size() % 16 or not rows_aligned(x):
-        raise ValueError(f"x: rows must start on 16-byte boundaries; storage offset {x.storage_offset()} and "
-                         f"strides {x.stride()} (elements of {x.element_size()} bytes) do not, for {_describe(x)}")
+    if not rows_aligned(x):  # a first row off 16 bytes is copied by the CUDA kernel, rows apart by 16 bytes are not
+        raise ValueError(f"x: rows must lie a multiple of 16 bytes apart; strides {x.stride()} (elements of "
+                         f"{x.element_size()} bytes) do not, for {_describe(x)}")
     _check_tensor("scale", scale, torch.float32, shape=x.shape[:-1], device=device, contiguous=False)
     check_bits(bits, is_signed)
     return (*x.shape[:-1], x.shape[-1] // 2 if bits == 4 else x.shape[-1])

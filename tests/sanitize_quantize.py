@@ -19,6 +19,10 @@ def main() -> int:
         s = torch.rand(5, device="cuda") + 0.1
         got = torch.ops.magicube_cuda.quantize(x, s, bits, signed).cpu()
         bad += not torch.equal(got, quant.quantize_to_container(x.cpu(), s.cpu()[:, None], bits, signed))
+        # rows 48 bytes apart, the first one 2 bytes off 16: the op copies x first
+        odd = x.view(-1)[1:97].view(4, 24)
+        got = torch.ops.magicube_cuda.quantize(odd, s[:4], bits, signed).cpu()
+        bad += not torch.equal(got, quant.quantize_to_container(odd.cpu(), s.cpu()[:4, None], bits, signed))
         # Q, K, V read in place: a [3, B, H, T, d] view of one [B, T, 3, H, d] projection, one scale
         # per (batch x head) broadcast over T; the larger one wraps the resident grid
         for B, T, H, d in ((2, 5, 2, 24), (2, 3000, 4, 64)):

@@ -210,6 +210,17 @@ def test_quantized_layer_compiles_into_one_graph(fused, scales):
     assert torch.equal(got, want)
 
 
+def test_quantize_compiles_the_op_path_for_any_first_row():
+    """quantize_to_container picks the op from shapes and strides alone, so torch.compile keeps it in
+    one graph; a view whose first row is off 16 bytes (rows 64 bytes apart) takes the op too."""
+    x = torch.randn(4 * 16 + 1)[1:].view(4, 16)
+    s = torch.rand(4, 1) + 0.5
+    want = ops.quant.quantize_to_container(x, s, 8)
+    compiled = torch.compile(lambda x, s: ops.quantize_to_container(x, s, 8), backend="aot_eager", fullgraph=True)
+    assert torch.equal(ops.quantize_to_container(x, s, 8), want)
+    assert torch.equal(compiled(x, s), want)
+
+
 def test_training_path_and_gradients():
     torch.manual_seed(0)
     model = LRAClassifier(small_config()).train()

@@ -87,7 +87,8 @@ def test_the_kernel_serves_the_op(kernels):
 def strided_cases(dtype, signed):
     """(x, per-row scale) strided views on the GPU: a layer's Q, K, V [3, B, H, T, d] (the last one
     larger than the resident grid, so that every thread carries its digits several times), a
-    slice, a broadcast leading dim, transposed leading dims, a single row."""
+    slice, a broadcast leading dim, transposed leading dims, a single row, rows 16 bytes apart whose
+    first row is not on 16 bytes (the op copies it)."""
     g = torch.Generator().manual_seed(6)
 
     def data(*shape):
@@ -104,7 +105,8 @@ def strided_cases(dtype, signed):
             (data(4, 6, 40)[:, 1:5, 8:32], scale(4, 4).t()),
             (data(5, 16).expand(3, 5, 16), scale(3, 1).expand(3, 5)),
             (data(6, 4, 8).transpose(0, 1), scale(4, 6)),
-            (data(32), scale())]
+            (data(32), scale()),
+            (data(72)[1:65].view(4, 16), scale(4))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
