@@ -31,8 +31,9 @@ SCHEMAS = {
     "sparse_softmax": "sparse_softmax(Tensor row_ptr, Tensor col_idx, Tensor row_order, Tensor values, "
                       "int v, float scale, int out_bits, int longest_row=-1) -> (Tensor, Tensor)",
     # x [..., cols] (up to 4 leading dims, any strides but a contiguous last dim, cols a
-    # multiple of 8, 16-byte aligned rows) / scale [...] (one per row, any strides) -> the
-    # contiguous container of `bits`, shaped like x
+    # multiple of 8, rows a multiple of 16 bytes apart; a first row off 16 bytes is copied on
+    # CUDA) / scale [...] (one per row, any strides) -> the contiguous container of `bits`,
+    # shaped like x
     "quantize": "quantize(Tensor x, Tensor scale, int bits, bool is_signed) -> Tensor",
     # sddmm -> sparse_softmax -> spmm in one op, with the same intermediate roundings (fp16
     # scores, quantized probabilities), so that a fused kernel computes the same function. Query,
