@@ -263,7 +263,8 @@ def check_quantize(x, scale, bits, is_signed):
     if x.stride(-1) != 1:
         raise ValueError(f"x: expected a contiguous last dim (stride 1), got strides {x.stride()} for "
                          f"{_describe(x)}")
-    if not rows_aligned(x):  # a first row off 16 bytes is copied by the CUDA kernel, rows apart by 16 bytes are not
+    # The CUDA op copies an x whose first row is off 16 bytes; rows that are not 16 bytes apart it cannot read.
+    if not rows_aligned(x):
         raise ValueError(f"x: rows must lie a multiple of 16 bytes apart; strides {x.stride()} (elements of "
                          f"{x.element_size()} bytes) do not, for {_describe(x)}")
     _check_tensor("scale", scale, torch.float32, shape=x.shape[:-1], device=device, contiguous=False)
