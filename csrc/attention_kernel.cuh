@@ -572,9 +572,10 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
       uint32_t pb[4];
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
-        // e > 0 only on kept slots of live rows, whose sum is >= 1; elsewhere 0 (never 0 / 0).
-        const __half p0 = e[n][0] > 0.f ? __float2half_rn(e[n][0] / row_sum) : __float2half_rn(0.f);
-        const __half p1 = e[n][1] > 0.f ? __float2half_rn(e[n][1] / row_sum) : __float2half_rn(0.f);
+        // e is 0 off the kept slots and on dead rows (sum 0: never 0 / 0). A NaN e (a NaN or infinite
+        // score, or a row of -inf alone) stays NaN and makes the row's output NaN, as in the reference.
+        const __half p0 = e[n][0] != 0.f ? __float2half_rn(e[n][0] / row_sum) : __float2half_rn(0.f);
+        const __half p1 = e[n][1] != 0.f ? __float2half_rn(e[n][1] / row_sum) : __float2half_rn(0.f);
         pb[n] = pack_half2(p0, p1);
       }
 #pragma unroll

@@ -89,7 +89,8 @@ def sparse_softmax(pattern: SRBCRS, values: torch.Tensor, *, scale: float = 1.0,
 
     out_bits=0 gives fp16 probabilities; 16/8/4 give unsigned integers in SR-BCRS containers
     with a per-row fp32 dequantization scale (1 / (row sum * qmax)), ready for
-    spmm(a_bits=out_bits, a_signed=False, scale_a=row_scale). Rows with no kept entry are 0.
+    spmm(a_bits=out_bits, a_signed=False, scale_a=row_scale). Rows with no kept entry are 0; a row
+    whose scores hold +inf or NaN, or -inf alone, is NaN (its row scale NaN at integer widths).
     """
     p = _pattern(pattern, values.device)
     return _ops.sparse_softmax(p.row_ptr, p.col_idx, p.row_order, values.contiguous(), p.v, float(scale), out_bits,

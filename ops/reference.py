@@ -92,17 +92,21 @@ def sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits, long
     keep = (col >= 0).expand(bh, -1)
     index = row.expand(bh, -1)
     x = values.float() * scale
+    # The max skips NaN (as fmaxf does) but the row does not: a NaN score, an infinite one (inf - inf)
+    # or a row of -inf alone (-inf + inf) gives a NaN e, so a NaN sum, NaN fp16 probabilities and a
+    # NaN row scale, and the row's output is NaN, as a dense softmax's would be.
     row_max = x.new_full((bh, m), float("-inf")).scatter_reduce(
-        1, index, x.masked_fill(~keep, float("-inf")), "amax")
+        1, index, x.masked_fill(~keep | x.isnan(), float("-inf")), "amax")
     e = torch.exp(x - row_max.gather(1, index)).masked_fill(~keep, 0.0)
     s = x.new_zeros(bh, m).scatter_add(1, index, e)
     if out_bits == 0:
-        probs = torch.where(keep, e / s.gather(1, index), 0.0).to(torch.float16)
+        probs = (e / s.gather(1, index)).to(torch.float16)  # padding: 0, in a NaN row NaN (0 / NaN)
         return probs, torch.ones(bh, m, dtype=torch.float32, device=values.device)
     qmax = (1 << out_bits) - 1
-    # The row's largest probability is 1/s, so p / (absmax/qmax) is e * qmax exactly.
-    q = torch.round(e * qmax).to(torch.int32)
-    row_scale = torch.where(s > 0, 1.0 / (s * qmax), 0.0)
+    # The row's largest probability is 1/s, so p / (absmax/qmax) is e * qmax exactly; NaN rounds
+    # to 0 (cvt.rni's rule). An empty row's scale is 0, a NaN row's NaN.
+    q = torch.round(e * qmax).nan_to_num(nan=0.0).to(torch.int32)
+    row_scale = torch.where(s != 0, 1.0 / (s * qmax), 0.0)
     return to_container(q, out_bits, signed=False), row_scale
 
 

@@ -425,6 +425,45 @@ def test_global_rows(kernels, p_bits, qk_bits):
         check(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, f"global rows, {name} row_order")
 
 
+
+@pytest.mark.parametrize("p_bits, qk_bits", PAIRS, ids=PAIR_IDS)
+def test_non_finite_scores(kernels, p_bits, qk_bits):
+    """Scores that overflow fp16 to +-inf (a Q row of +-1e4, or its scale 1e4) and a NaN in a Q row
+    (or its scale) make those rows NaN, in the kernel as in the reference, on whole rows and on
+    split global rows; every other row is bit for bit what it is with clean inputs."""
+    bh, v, d = 2, 8, 64
+    g = torch.Generator().manual_seed(51)
+    cases = {"whole rows": (*problem(bh, 5, 1500, v, 0.9, seed=2), [2 * v, v + 3]),  # row 2 full, past the cache
+             "global rows": (*global_rows(2048, v, g), [3 * v, 23 * v + 5])}
+    for what, (p, emask, rows) in cases.items():
+        assert bool(emask[rows].any(-1).all())
+        inputs = make_inputs(bh, p.m, p.k, d, p_bits, qk_bits, g)
+        bad = list(inputs)
+        if p_bits == 0:
+            bad[0] = inputs[0].clone()
+            bad[0][0, rows[0]] = inputs[0][0, rows[0]].sign() * 1e4
+            bad[0][0, rows[1], 7] = float("nan")
+        else:
+            bad[3] = inputs[3].clone()
+            bad[3][0, rows[0]], bad[3][0, rows[1]] = 1e4, float("nan")
+        clean, _ = run_both(kernels, p, inputs, v, d**-0.5, qk_bits, p_bits)
+        got, want = run_both(kernels, p, bad, v, d**-0.5, qk_bits, p_bits)
+        nan_row = torch.zeros(bh, p.m, dtype=torch.bool)
+        nan_row[0, rows] = True
+        assert bool(want[nan_row].isnan().all()) and not bool(want[~nan_row].isnan().any()), f"{what}: reference"
+        assert torch.equal(got.isnan(), want.isnan()), f"{what}: NaN rows differ from the reference's"
+        assert torch.equal(got[~nan_row], clean[~nan_row]), f"{what}: a clean row changed"
+        # The three-op pipeline's kernels agree on the NaN rows.
+        cuda = p.to("cuda")
+        pattern = (cuda.row_ptr, cuda.col_idx, cuda.row_order)
+        q, k, val, sq, sk, sv = (to_cuda(x) for x in bad)
+        scores = torch.ops.magicube.sddmm(*pattern, q, k, sq, sk, v, qk_bits, torch.float16)
+        probs, row_scale = torch.ops.magicube.sparse_softmax(*pattern, scores, v, d**-0.5, p_bits)
+        three = torch.ops.magicube.spmm(*pattern, probs, val, row_scale if p_bits else None, sv, v, p.m, p_bits or 16,
+                                        p_bits == 0, qk_bits, torch.float16)
+        assert torch.equal(three.isnan().cpu(), want.isnan()), f"{what}: the three-op pipeline's NaN rows"
+
+
 def test_global_rows_across_windows(kernels):
     """Long rows with more batch x heads than one rasterization window: both launches, split and
     whole rows, cover the second window. 200 vector rows, 10 full; BH one past a window of 8-bit

@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import problem, random_ints
 from magicube.ops import (SDDMM_BITS, SPMM_PAIRS, absmax_scale, from_container, quantize, sddmm, sparse_attention,
                           sparse_softmax, spmm, to_container)
+from magicube.ops.format import value_coordinates
 
 V = st.sampled_from([2, 4, 8])
 SPMM_KINDS = [(a, b, True) for a, b in SPMM_PAIRS] + [(a, b, False) for a, b in SPMM_PAIRS if a != 12]
@@ -128,6 +129,75 @@ def test_sparse_softmax(out_bits, v, bh, rows, k, n, sparsity, seed, shuffle):
     has = ~empty
     assert bool((p.to_dense(q).amax(-1)[has] == qmax).all())
     assert bool((row_scale[empty] == 0).all()) and not bool(row_scale.isnan().any())
+
+
+
+def _slots(p, r):
+    """The flat value offsets of element row r's kept entries."""
+    row, col = value_coordinates(p.row_ptr, p.col_idx, p.v, 32)
+    return ((row == r) & (col >= 0)).nonzero().flatten()
+
+
+@pytest.mark.parametrize("out_bits", [0, 16, 8, 4])
+def test_sparse_softmax_non_finite_scores(out_bits):
+    """A row whose scaled scores hold +inf or NaN, or are -inf alone, comes out NaN, as a dense
+    softmax's would: NaN fp16 probabilities (padding too), or integer ones with a NaN row scale. The
+    max skips a NaN, so that row keeps the integers it would have with -inf in the NaN's place; a
+    -inf score among finite ones is probability 0; no other row changes."""
+    v = 2
+    p, _ = problem(1, 6, 40, v, 0.3, seed=1)  # element rows 0 and 1 empty, 6 and 7 full
+    g = torch.Generator().manual_seed(out_bits)
+    clean = (torch.randn(1, p.nnz_pad * v, generator=g) * 4).half()
+    # +inf in row 2, NaN in row 4, -inf alone in row 6, one -inf in row 8; `minus` has -inf for the NaN
+    bad, minus = clean.clone(), clean.clone()
+    bad[0, _slots(p, 2)[0]] = float("inf")
+    bad[0, _slots(p, 4)[1]], minus[0, _slots(p, 4)[1]] = float("nan"), float("-inf")
+    bad[0, _slots(p, 6)] = float("-inf")
+    bad[0, _slots(p, 8)[0]] = minus[0, _slots(p, 8)[0]] = float("-inf")
+    (probs, rs), (want, want_rs), (alt, alt_rs) = (sparse_softmax(p, x, scale=0.3, out_bits=out_bits)
+                                                   for x in (bad, clean, minus))
+    row, _ = value_coordinates(p.row_ptr, p.col_idx, v, 32)
+    nan_row = torch.isin(torch.arange(p.m), torch.tensor([2, 4, 6]))
+    untouched = ~torch.isin(row, torch.tensor([2, 4, 6, 8]))
+    if out_bits == 0:
+        assert bool(probs[0, nan_row[row]].isnan().all()) and not bool(probs[0, ~nan_row[row]].isnan().any())
+        assert torch.equal(probs[:, untouched], want[:, untouched]) and torch.equal(rs, want_rs)
+        assert probs[0, _slots(p, 8)[0]] == 0 and torch.equal(probs[:, row == 8], alt[:, row == 8])
+        return
+    q, wq, aq = (from_container(x, out_bits, signed=False) for x in (probs, want, alt))
+    assert torch.equal(rs[0].isnan(), nan_row) and torch.equal(rs[:, ~nan_row], alt_rs[:, ~nan_row])
+    assert torch.equal(q[:, untouched], wq[:, untouched])
+    assert bool((q[0, (row == 2) | (row == 6)] == 0).all())  # every e NaN, and NaN rounds to 0
+    assert torch.equal(q[:, (row == 4) | (row == 8)], aq[:, (row == 4) | (row == 8)])
+
+
+@pytest.mark.parametrize("p_bits, qk_bits", [(0, 16), (8, 8), (16, 8)])
+def test_sparse_attention_non_finite_scores(p_bits, qk_bits):
+    """Scores that overflow fp16 (row 5) or a NaN in Q (row 9) make those rows of the output NaN,
+    and no other row changes."""
+    g = torch.Generator().manual_seed(p_bits + qk_bits)
+    bh, length, d, v = 2, 40, 12, 2
+    p, _ = problem(bh, length // v, length, v, 0.7, 5)
+    if p_bits == 0:
+        q, k, val = (torch.randn(bh, length, d, generator=g).half() for _ in range(3))
+        scales = dict(scale_q=None, scale_k=None, scale_v=None)
+        bad = q.clone()
+        bad[0, 5] *= 6e4
+        bad[0, 9, 0] = float("nan")
+    else:
+        q, k, val = (to_container(random_ints((bh, length, d), qk_bits, True, g), qk_bits) for _ in range(3))
+        scales = dict(scale_q=torch.rand(bh, length, generator=g) / 2 ** qk_bits,
+                      scale_k=torch.rand(bh, length, generator=g) / 2 ** qk_bits,
+                      scale_v=torch.rand(bh, d, generator=g) / 2 ** qk_bits)
+        bad, bad_scales = q, dict(scales, scale_q=scales["scale_q"].clone())
+        bad_scales["scale_q"][0, 5], bad_scales["scale_q"][0, 9] = 1e4, float("nan")
+    args = dict(softmax_scale=d ** -0.5, qk_bits=qk_bits, p_bits=p_bits)
+    out = sparse_attention(p, q, k, val, **args, **scales)
+    got = sparse_attention(p, bad, k, val, **args, **(scales if p_bits == 0 else bad_scales))
+    nan_row = torch.zeros(bh, length, dtype=torch.bool)
+    nan_row[0, [5, 9]] = True
+    assert bool(got[nan_row].isnan().all()) and not bool(got[~nan_row].isnan().any())
+    assert torch.equal(got[~nan_row], out[~nan_row])
 
 
 def test_quantized_attention_pipeline_matches_fp64_attention():

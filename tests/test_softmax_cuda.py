@@ -156,6 +156,56 @@ def test_empty_rows(kernels, out_bits):
         assert (q - wq).abs().max() <= 1
 
 
+
+def _poisoned(p, values, rows):
+    """values with batch 0's rows rows[0] holding +inf, rows[1] a NaN, rows[2] -inf alone and
+    rows[3] one -inf among finite scores."""
+    row, col = value_coordinates(p.row_ptr, p.col_idx, p.v, 32)
+    slots = [((row == r) & (col >= 0)).nonzero().flatten() for r in rows]
+    assert all(len(x) > 1 for x in slots)
+    bad = values.clone()
+    bad[0, slots[0][0]], bad[0, slots[1][-1]], bad[0, slots[3][0]] = float("inf"), float("nan"), float("-inf")
+    bad[0, slots[2]] = float("-inf")
+    return bad
+
+
+@pytest.mark.parametrize("v", [2, 8])
+@pytest.mark.parametrize("out_bits", [0, 16, 8, 4])
+def test_non_finite_scores(kernels, out_bits, v):
+    """Rows with +inf or a NaN among their scores, or -inf alone, come out as the reference defines
+    them (NaN rows: NaN fp16 probabilities, or integers beside a NaN row scale), on whole rows and
+    on global rows split over a CTA's warps; a -inf among finite scores is probability 0; every
+    other row is bit for bit what it is with clean scores."""
+    g = torch.Generator().manual_seed(70 + out_bits + v)
+    awkward, _ = problem(2, 9, 700, v, 0.6, seed=3)  # vector row 0 empty, 4 full
+    mask = torch.rand(400, 2048, generator=g) < 0.01
+    mask[3::20] = True  # global rows: split
+    cases = {"whole rows": (awkward, [v, 2 * v + 1, 4 * v, 3 * v]),
+             "global rows": (SRBCRS.from_mask(VectorMask(mask, v), stride=32), [3 * v, 23 * v + 1, 43 * v, v])}
+    for what, (p, rows) in cases.items():
+        clean, _ = _values(p, 2, g)
+        got_clean, rs_clean, _, _ = _run(kernels, p, clean, 0.3, out_bits)
+        got, rs, want, want_rs = _run(kernels, p, _poisoned(p, clean, rows), 0.3, out_bits)
+        row, _ = value_coordinates(p.row_ptr, p.col_idx, v, 32)
+        nan_row = torch.zeros(2, p.m, dtype=torch.bool)
+        nan_row[0, rows[:3]] = True
+        touched_row = nan_row.clone()
+        touched_row[0, rows[3]] = True
+        untouched = ~touched_row.gather(1, row.expand(2, -1))  # slots of the rows left clean
+        torch.testing.assert_close(rs, want_rs, rtol=1e-5, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
+        assert torch.equal(rs[~touched_row], rs_clean[~touched_row]), f"{what}: a clean row's scale changed"
+        if out_bits == 0:
+            assert torch.equal(got.isnan(), nan_row.gather(1, row.expand(2, -1))), what
+            assert torch.equal(got.isnan(), want.isnan()) and not bool(rs.isnan().any()), what
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=1e-7, equal_nan=True)
+            assert torch.equal(got[untouched], got_clean[untouched]), f"{what}: a clean row changed"
+            continue
+        assert torch.equal(rs.isnan(), nan_row), what
+        q, wq, q_clean = (from_container(x, out_bits, False) for x in (got, want, got_clean))
+        assert (q - wq).abs().max() <= 1, what
+        assert bool((q[0, (row == rows[0]) | (row == rows[2])] == 0).all()), f"{what}: every e is NaN, so q = 0"
+        assert torch.equal(q[untouched], q_clean[untouched]), f"{what}: a clean row changed"
+
 def test_all_rows_empty(kernels):
     v = 8
     p = SRBCRS.from_mask(VectorMask(torch.zeros(2, 30, dtype=torch.bool), v), stride=32)
