@@ -99,7 +99,8 @@ def evaluate(path: str | Path, backends=None, split: str | None = None, batch_si
               else contextlib.nullcontext()):
             r = accuracy(model, ids, labels, batch_size, accelerator, max_batches, progress=progress, desc=name)
         rows.append({"backend": name, "description": DESCRIPTION[name], "accuracy": r["accuracy"],
-                     "loss": r["loss"], "examples": r["examples"], "seconds": round(time.time() - t0, 2)})
+                     "loss": r["loss"], "examples": r["examples"], "nonfinite": r["nonfinite"],
+                     "seconds": round(time.time() - t0, 2)})
     meta = ckpt / "trainer_state.json"
     state = {"step": json.loads(meta.read_text())["step"]} if meta.is_file() else {}
     return {
@@ -129,6 +130,10 @@ def to_markdown(report: dict) -> str:
         lines.append(f"| {r['backend']} | {r['description']} | {100 * r['accuracy']:.2f} % | {r['loss']:.4f} | "
                      f"{r['examples']} | {r['seconds']:.1f} |")
     foot = f"\nChance (always the most frequent training label): {100 * report['majority_baseline']:.2f} %\n"
+    for r in report["results"]:
+        if r.get("nonfinite"):
+            foot += (f"\n**{r['backend']}: {r['nonfinite']} of {r['examples']} examples had non-finite logits** "
+                     "(an attention score past the fp16 range makes its row NaN); they count as wrong.\n")
     return head + "\n".join(lines) + "\n" + foot
 
 

@@ -32,6 +32,7 @@ def test_demo_trains_finetunes_and_evaluates_every_backend(tmp_path, capsys):
     report = json.loads((out / "eval_test.json").read_text())
     assert report["step"] == 4 and report["split"] == "test"
     assert [r["examples"] for r in report["results"]] == [24] * 6
+    assert [r["nonfinite"] for r in report["results"]] == [0] * 6
     rows = {r["backend"]: r for r in report["results"]}
     # the fp16 ops and the fp32 training path are the same function
     assert abs(rows["sparse"]["loss"] - rows["sparse-masked"]["loss"]) < 1e-2
@@ -86,6 +87,17 @@ def test_finetune_command(tmp_path, capsys):
     assert "quantization-finetuned for 8b-4b" in capsys.readouterr().err
     assert main(["evaluate", str(tuned), "--backends", "8b-4b", "--no-progress", "--out", str(tmp_path / "e")]) == 0
     assert json.loads((tmp_path / "e.json").read_text())["quant_scales"] == "fixed"
+
+
+def test_evaluation_report_flags_non_finite_logits():
+    from magicube.eval.evaluate import to_markdown
+
+    rows = [dict(backend=b, description=b, accuracy=0.5, loss=x, examples=10, nonfinite=n, seconds=1.0)
+            for b, x, n in (("sparse", 0.7, 0), ("8b-8b", float("nan"), 3))]
+    report = dict(task="text", split="test", step=1, quant_precision=None, trained_with="sparse", mask_kind="random",
+                  sparsity=0.9, v=8, device="cpu", majority_baseline=0.5, results=rows)
+    md = to_markdown(report)
+    assert "**8b-8b: 3 of 10 examples had non-finite logits**" in md and "sparse: " not in md
 
 
 def test_cli_names_the_model_backends():

@@ -1,14 +1,15 @@
 """Training: configs, schedule, batching, checkpoints, and resume equivalence."""
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from magicube.train.config import apply_overrides, config_names, load_config
-from magicube.train.trainer import (batch_indices, latest_checkpoint, lr_lambda, lra_lr_lambda, read_trainer_state,
-                                    train)
+from magicube.train.trainer import (accuracy, batch_indices, latest_checkpoint, lr_lambda, lra_lr_lambda,
+                                    read_trainer_state, train)
 
 TINY_OVERRIDES = [
     "data.generate.num_train=256", "data.generate.num_val=32", "data.generate.num_test=32",
@@ -170,3 +171,21 @@ def test_data_parallel_on_two_cpu_processes(tmp_path):
              if "eval_accuracy" in line]
     assert [e["step"] for e in evals] == [4] and evals[0]["eval_examples"] == 32
     assert latest_checkpoint(tmp_path / "run").name == "step_0000004"
+
+
+class _NanForFirstIdZero(torch.nn.Module):
+    """Logits favouring class 1, NaN for the examples whose first id is 0."""
+
+    def forward(self, ids):
+        logits = torch.tensor([0.0, 1.0]).expand(len(ids), 2)
+        return SimpleNamespace(logits=logits.masked_fill((ids[:, 0] == 0)[:, None], float("nan")))
+
+
+def test_accuracy_counts_non_finite_logits_as_wrong():
+    """argmax of NaN logits is index 0, which would match a label 0 by chance: such an example
+    counts as wrong and is reported."""
+    from accelerate import Accelerator
+
+    ids, labels = torch.tensor([[0], [1], [2], [0]]), torch.tensor([0, 1, 0, 1])
+    r = accuracy(_NanForFirstIdZero(), ids, labels, batch_size=3, accelerator=Accelerator(cpu=True))
+    assert r["accuracy"] == 0.25 and r["nonfinite"] == 2 and r["examples"] == 4 and math.isnan(r["loss"])

@@ -240,7 +240,11 @@ def _truncate_metrics(path: Path, step: int) -> None:
 @torch.no_grad()
 def accuracy(model, ids: torch.Tensor, labels: torch.Tensor, batch_size: int, accelerator: Accelerator,
              max_batches: int | None = None, progress: bool = False, desc: str = "eval") -> dict:
-    """Accuracy and mean loss over a split (or max_batches of it), sharded over the processes."""
+    """Accuracy and mean loss over a split (or max_batches of it), sharded over the processes.
+
+    An example whose logits are not all finite (a NaN attention row: an fp16 score overflowed)
+    counts as wrong, whatever argmax makes of a NaN, and is counted in "nonfinite"; the loss is
+    then NaN."""
     # The bare module: DDP's forward would sync buffers, and shards may differ by one batch.
     model = accelerator.unwrap_model(model)
     was_training = model.training
@@ -252,20 +256,23 @@ def accuracy(model, ids: torch.Tensor, labels: torch.Tensor, batch_size: int, ac
         ids, labels = ids[keep], labels[keep]
     n = len(labels)
     rank, world = accelerator.process_index, accelerator.num_processes
-    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # correct, loss sum, count
+    totals = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # correct, loss sum, count, nonfinite
     starts = range(rank * batch_size, n, world * batch_size)
     for start in tqdm(starts, desc=desc, disable=not progress or not accelerator.is_main_process, leave=False):
         x = ids[start:start + batch_size].to(accelerator.device)
         y = labels[start:start + batch_size].to(accelerator.device)
         with accelerator.autocast():
             logits = model(x).logits.float()
-        totals += torch.stack([(logits.argmax(-1) == y).sum().double(),
+        finite = logits.isfinite().all(-1)
+        totals += torch.stack([((logits.argmax(-1) == y) & finite).sum().double(),
                                torch.nn.functional.cross_entropy(logits, y, reduction="sum").double(),
-                               torch.tensor(float(len(y)), dtype=torch.float64, device=totals.device)])
+                               torch.tensor(float(len(y)), dtype=torch.float64, device=totals.device),
+                               (~finite).sum().double()])
     totals = accelerator.reduce(totals, reduction="sum")
     model.train(was_training)
-    correct, loss, count = totals.tolist()
-    return {"accuracy": correct / max(count, 1), "loss": loss / max(count, 1), "examples": int(count)}
+    correct, loss, count, nonfinite = totals.tolist()
+    return {"accuracy": correct / max(count, 1), "loss": loss / max(count, 1), "examples": int(count),
+            "nonfinite": int(nonfinite)}
 
 
 def _any_process(accelerator: Accelerator, flag: bool) -> bool:
