@@ -8,8 +8,8 @@ over 4 warps (N past a warp's exact int32 accumulation), a global token's row am
 V = 2 and 8, head dims 32 and 64, shuffled and plain patterns, and the attention layer's call: the
 output as [B, M, heads, dv] with per-(batch x head) scales expanded along their rows (stride 0,
 read in place), also from Q, K, V as per-head views of token-major tensors with per-head scales
-shared by the batch. Exits non-zero if a result is far from the reference (the GPU tests hold it
-to the exact bounds).
+shared by the batch; and rows of non-finite scores (NaN rows). Exits non-zero if a result is far
+from the reference (the GPU tests hold it to the exact bounds).
 """
 
 import sys
@@ -43,7 +43,7 @@ def to_cuda(x):
 
 def mismatch(got, want, what) -> int:
     """1 (and a line saying so) if the kernel's result is far from the reference, else 0."""
-    if torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+    if torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2, equal_nan=True):
         return 0
     print(f"MISMATCH {what}: max diff {float((got.float() - want.float()).abs().max()):.3g}")
     return 1
@@ -95,6 +95,27 @@ def main() -> int:
             want = torch.ops.magicube.sparse_attention(p.row_ptr, p.col_idx, p.row_order, *args, 8, 0.125, qk_bits,
                                                        p_bits, heads)
             bad += mismatch(got, want, f"token-major heads={heads} p_bits={p_bits} qk_bits={qk_bits}")
+    # Rows of non-finite scores (NaN rows): an overflow (Q row or its scale 1e4) in the full row, a NaN
+    # in a short one.
+    mask = torch.rand(4, 1100, generator=g) < 0.2
+    mask[0], mask[2] = False, True
+    p = SRBCRS.from_mask(VectorMask(mask, 8), stride=32)
+    cuda = p.to("cuda")
+    for p_bits, qk_bits in ((8, 8), (0, 16)):
+        args = list(inputs(2, p.m, 1100, 64, p_bits, qk_bits, g, per_head=False))
+        if p_bits:
+            args[3] = args[3].clone()
+            args[3][0, 16], args[3][0, 9] = 1e4, float("nan")
+        else:
+            args[0] = args[0].clone()
+            args[0][0, 16] = args[0][0, 16].sign() * 1e4
+            args[0][0, 9, 0] = float("nan")
+        got = torch.ops.magicube_cuda.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order,
+                                                       *(to_cuda(x) for x in args), 8, 0.125, qk_bits, p_bits, 1).cpu()
+        want = torch.ops.magicube.sparse_attention(p.row_ptr, p.col_idx, p.row_order, *args, 8, 0.125, qk_bits,
+                                                   p_bits, 1)
+        bad += mismatch(got, want, f"non-finite scores p_bits={p_bits} qk_bits={qk_bits}")
+        bad += int(not bool(want[0, [9, 16]].isnan().all()))  # the case is what it says
     torch.cuda.synchronize()
     print("sanitize_attention:", "ok" if not bad else f"{bad} mismatches")
     return 1 if bad else 0
