@@ -5,6 +5,7 @@ import os
 import torch
 
 from magicube.ops import SRBCRS, VectorMask, random_vector_mask, to_container
+from magicube.ops.format import value_coordinates
 
 def awkward_mask(m: int, k: int, v: int, sparsity: float, seed: int) -> VectorMask:
     """A random vector mask with an empty vector row and one full ("huge") row when possible."""
@@ -26,6 +27,12 @@ def problem(bh, rows, k, v, sparsity, seed, shuffle=False):
     """A pattern (stride 32, the ops' stride) with its dense element mask."""
     mask = awkward_mask(rows * v, k, v, sparsity, seed)
     return SRBCRS.from_mask(mask, stride=32, shuffle=shuffle), mask.to_dense()
+
+
+def kept_slots(p: SRBCRS, r: int) -> torch.Tensor:
+    """The flat value offsets (SR-BCRS values) of element row r's kept entries."""
+    row, col = value_coordinates(p.row_ptr, p.col_idx, p.v, p.stride)
+    return ((row == r) & (col >= 0)).nonzero().flatten()
 
 
 def with_columns_shuffled(p: SRBCRS, generator) -> SRBCRS:

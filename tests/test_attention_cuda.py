@@ -425,7 +425,6 @@ def test_global_rows(kernels, p_bits, qk_bits):
         check(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, f"global rows, {name} row_order")
 
 
-
 @pytest.mark.parametrize("p_bits, qk_bits", PAIRS, ids=PAIR_IDS)
 def test_non_finite_scores(kernels, p_bits, qk_bits):
     """Scores that overflow fp16 to +-inf (a Q row of +-1e4, or its scale 1e4) and a NaN in a Q row

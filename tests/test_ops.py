@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import problem, random_ints
+from conftest import kept_slots, problem, random_ints
 from magicube.ops import (SDDMM_BITS, SPMM_PAIRS, absmax_scale, from_container, quantize, sddmm, sparse_attention,
                           sparse_softmax, spmm, to_container)
 from magicube.ops.format import value_coordinates
@@ -131,13 +131,6 @@ def test_sparse_softmax(out_bits, v, bh, rows, k, n, sparsity, seed, shuffle):
     assert bool((row_scale[empty] == 0).all()) and not bool(row_scale.isnan().any())
 
 
-
-def _slots(p, r):
-    """The flat value offsets of element row r's kept entries."""
-    row, col = value_coordinates(p.row_ptr, p.col_idx, p.v, 32)
-    return ((row == r) & (col >= 0)).nonzero().flatten()
-
-
 @pytest.mark.parametrize("out_bits", [0, 16, 8, 4])
 def test_sparse_softmax_non_finite_scores(out_bits):
     """A row whose scaled scores hold +inf or NaN, or are -inf alone, comes out NaN, as a dense
@@ -150,10 +143,10 @@ def test_sparse_softmax_non_finite_scores(out_bits):
     clean = (torch.randn(1, p.nnz_pad * v, generator=g) * 4).half()
     # +inf in row 2, NaN in row 4, -inf alone in row 6, one -inf in row 8; `minus` has -inf for the NaN
     bad, minus = clean.clone(), clean.clone()
-    bad[0, _slots(p, 2)[0]] = float("inf")
-    bad[0, _slots(p, 4)[1]], minus[0, _slots(p, 4)[1]] = float("nan"), float("-inf")
-    bad[0, _slots(p, 6)] = float("-inf")
-    bad[0, _slots(p, 8)[0]] = minus[0, _slots(p, 8)[0]] = float("-inf")
+    bad[0, kept_slots(p, 2)[0]] = float("inf")
+    bad[0, kept_slots(p, 4)[1]], minus[0, kept_slots(p, 4)[1]] = float("nan"), float("-inf")
+    bad[0, kept_slots(p, 6)] = float("-inf")
+    bad[0, kept_slots(p, 8)[0]] = minus[0, kept_slots(p, 8)[0]] = float("-inf")
     (probs, rs), (want, want_rs), (alt, alt_rs) = (sparse_softmax(p, x, scale=0.3, out_bits=out_bits)
                                                    for x in (bad, clean, minus))
     row, _ = value_coordinates(p.row_ptr, p.col_idx, v, 32)
@@ -162,7 +155,7 @@ def test_sparse_softmax_non_finite_scores(out_bits):
     if out_bits == 0:
         assert bool(probs[0, nan_row[row]].isnan().all()) and not bool(probs[0, ~nan_row[row]].isnan().any())
         assert torch.equal(probs[:, untouched], want[:, untouched]) and torch.equal(rs, want_rs)
-        assert probs[0, _slots(p, 8)[0]] == 0 and torch.equal(probs[:, row == 8], alt[:, row == 8])
+        assert probs[0, kept_slots(p, 8)[0]] == 0 and torch.equal(probs[:, row == 8], alt[:, row == 8])
         return
     q, wq, aq = (from_container(x, out_bits, signed=False) for x in (probs, want, alt))
     assert torch.equal(rs[0].isnan(), nan_row) and torch.equal(rs[:, ~nan_row], alt_rs[:, ~nan_row])

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import load_kernels, problem, reordered
+from conftest import kept_slots, load_kernels, problem, reordered
 from magicube.ops import SRBCRS, VectorMask, from_container
 from magicube.ops.format import value_coordinates
 
@@ -156,12 +156,10 @@ def test_empty_rows(kernels, out_bits):
         assert (q - wq).abs().max() <= 1
 
 
-
 def _poisoned(p, values, rows):
     """values with batch 0's rows rows[0] holding +inf, rows[1] a NaN, rows[2] -inf alone and
     rows[3] one -inf among finite scores."""
-    row, col = value_coordinates(p.row_ptr, p.col_idx, p.v, 32)
-    slots = [((row == r) & (col >= 0)).nonzero().flatten() for r in rows]
+    slots = [kept_slots(p, r) for r in rows]
     assert all(len(x) > 1 for x in slots)
     bad = values.clone()
     bad[0, slots[0][0]], bad[0, slots[1][-1]], bad[0, slots[3][0]] = float("inf"), float("nan"), float("-inf")
@@ -205,6 +203,7 @@ def test_non_finite_scores(kernels, out_bits, v):
         assert (q - wq).abs().max() <= 1, what
         assert bool((q[0, (row == rows[0]) | (row == rows[2])] == 0).all()), f"{what}: every e is NaN, so q = 0"
         assert torch.equal(q[untouched], q_clean[untouched]), f"{what}: a clean row changed"
+
 
 def test_all_rows_empty(kernels):
     v = 8
