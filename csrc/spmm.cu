@@ -36,7 +36,8 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& 
 template <int AB, bool AS, int BB>
 void launch(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, bool fast) {
   namespace sd = magicube::spmm_detail;
-  const int64_t tiles = (p.row_bytes + sd::Kind<AB, AS, BB>::kTileBytes - 1) / sd::Kind<AB, AS, BB>::kTileBytes;
+  constexpr int64_t tile = sd::Kind<AB, AS, BB>::kTileBytes;
+  const int64_t tiles = (p.row_bytes + tile - 1) / tile;
   MAGICUBE_CHECK(tiles <= 65535 && vrows <= INT32_MAX, "spmm: N or M too large");
   const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(tiles), static_cast<unsigned>(bh));
   const auto kernel = fast ? sd::spmm_kernel<AB, AS, BB, true> : sd::spmm_kernel<AB, AS, BB, false>;
