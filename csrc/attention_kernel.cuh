@@ -45,8 +45,8 @@
 //   of two tiles (ldmatrix.trans reads them), so a warp never waits on another; the ring starts
 //   filling at the kernel's start and its first tile lands during pass 1.
 // Wide operands use 8-bit bit planes (16-bit: signed high byte, unsigned low byte; probabilities:
-// two unsigned bytes) recombined in int64; int4 is widened in registers (16 * value for the value
-// operand, shifted out exactly at the end).
+// two unsigned bytes) recombined in int64; int4 is widened in registers to 16 * value, shifted out
+// exactly (the scores by 8 bits, the output by 4).
 #pragma once
 
 #include <cmath>
@@ -186,8 +186,13 @@ struct QkWords {
 
   __device__ __forceinline__ void set(const uint32_t (&raw)[NW]) {
     if constexpr (OP == kInt4) {
+      // 16 x nibble in each byte, as for the value operand: three instructions a word against sign
+      // extension's nine (SASS); the scores come out 256 times too large, undone by an exact shift.
 #pragma unroll
-      for (int i = 0; i < NW; ++i) magicube_sddmm::unpack_s4(raw[i], hi[2 * i], hi[2 * i + 1]);
+      for (int i = 0; i < NW; ++i) {
+        hi[2 * i] = low_nibbles_x16(raw[i]);
+        hi[2 * i + 1] = high_nibbles_x16(raw[i]);
+      }
     } else if constexpr (OP == kInt16) {
 #pragma unroll
       for (int i = 0; i < kWords; ++i) magicube_sddmm::split_planes(raw[2 * i], raw[2 * i + 1], hi[i], lo[i]);
@@ -424,7 +429,7 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
                             acc[n].ll[e];
           hv[e] = __float2half_rn(__ll2float_rn(q) * f[e]);
         } else {
-          hv[e] = __float2half_rn(__int2float_rn(acc[n].d[e]) * f[e]);
+          hv[e] = __float2half_rn(__int2float_rn(acc[n].d[e] >> (2 * C::kShift)) * f[e]);
         }
       }
       h[n] = pack_half2(hv[0], hv[1]);
