@@ -30,6 +30,7 @@
 
 #include "check.cuh"
 #include "long_rows.cuh"
+#include "mma.cuh"
 #include "sddmm_mma.cuh"
 
 namespace magicube_sddmm {
@@ -85,8 +86,14 @@ template <int MODE>
 __device__ __forceinline__ void to_operand(Operand<MODE>& op,
                                            const uint32_t (&raw)[Traits<MODE>::LB / 4]) {
   if constexpr (MODE == kInt4) {
-    unpack_s4(raw[0], op.w[0], op.w[1]);
-    unpack_s4(raw[1], op.w[2], op.w[3]);
+    // 16 x nibble in each byte: three instructions a word against sign extension's nine (SASS).
+    // Both operands alike, so the k order it makes cancels in the dot product; the products come
+    // out 256 times too large, undone by an exact shift (kProductShift).
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      op.w[2 * j] = magicube::low_nibbles_x16(raw[j]);
+      op.w[2 * j + 1] = magicube::high_nibbles_x16(raw[j]);
+    }
   } else if constexpr (MODE == kInt16) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) split_planes(raw[2 * j], raw[2 * j + 1], op.w[j], op.lo[j]);
@@ -95,6 +102,10 @@ __device__ __forceinline__ void to_operand(Operand<MODE>& op,
     for (int j = 0; j < 4; ++j) op.w[j] = raw[j];
   }
 }
+
+// 4-bit operands are widened to 16 x value (to_operand), so their int32 products carry 2^8.
+template <int MODE>
+constexpr int kProductShift = MODE == kInt4 ? 8 : 0;
 
 template <int MODE>
 struct Acc {
@@ -276,7 +287,7 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm(MODE, AL))
     if constexpr (MODE == kInt16) {
       qv = qv * 65536 + static_cast<int64_t>(ac.x[j]) * 256 + ac.ll[j];
     }
-    return qv;
+    return qv >> kProductShift<MODE>;
   };
 
   // Fragment element j of tile h: slot 16h + g + 8(j / 2) (row q = 2h + j / 2
@@ -305,7 +316,7 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm(MODE, AL))
           } else {
             // An int32 accumulator rounds to fp32 the same through the cheaper
             // 32-bit conversion.
-            f[jj] = __int2float_rn(acc[h].d[j]) * (sa[jj] * sb[q]);
+            f[jj] = __int2float_rn(acc[h].d[j] >> kProductShift<MODE>) * (sa[jj] * sb[q]);
           }
         }
         const __half2 hv = __floats2half2_rn(f[0], f[1]);
@@ -478,8 +489,9 @@ at::Tensor sddmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx,
               2 * num_vrows, " entries, got ", row_ptr.numel());
   MAGICUBE_CHECK(row_order.numel() == num_vrows, "sddmm: row_order must have M / v = ", num_vrows,
               " entries, got ", row_order.numel());
-  // int32 accumulators: per plane product |term| <= 2^15 (s8 x s8), 2^16 (u8 x u8) or
-  // 2^16 for the two summed cross planes, so K is bounded for the sum to fit.
+  // int32 accumulators: per plane product |term| <= 2^15 (s8 x s8, and 4-bit operands widened to
+  // 16 x value), 2^16 (u8 x u8) or 2^16 for the two summed cross planes, so K is bounded for the
+  // sum to fit.
   const int64_t k_max = mode == kInt16 ? 32768 : mode == kHalf ? INT32_MAX / 64 : 131071;
   MAGICUBE_CHECK(k <= k_max, "sddmm: K = ", k, " exceeds the exact int32 accumulation limit ", k_max);
   MAGICUBE_CHECK(n < INT32_MAX && m < INT32_MAX && bh <= 65535, "sddmm: a or b is too large");

@@ -131,16 +131,6 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, ui
 #endif
 }
 
-// Eight packed two's-complement nibbles -> two words of four sign-extended
-// int8 each (even elements, odd elements). Both operands go through the same
-// map, so the k permutation it introduces cancels in the dot product.
-__device__ __forceinline__ void unpack_s4(uint32_t x, uint32_t& even, uint32_t& odd) {
-  const uint32_t lo = x & 0x0F0F0F0Fu;
-  const uint32_t hi = (x >> 4) & 0x0F0F0F0Fu;
-  even = lo | (((lo >> 3) & 0x01010101u) * 0xF0u);
-  odd = hi | (((hi >> 3) & 0x01010101u) * 0xF0u);
-}
-
 // Two words of int16 pairs -> the high bytes (signed plane, x >> 8) and the
 // low bytes (unsigned plane, x & 0xFF) of the four elements.
 __device__ __forceinline__ void split_planes(uint32_t x0, uint32_t x1, uint32_t& hi,
