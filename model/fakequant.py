@@ -101,7 +101,8 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor, bits: int, signed: bool 
 
 
 def qkv_scales(q, k, v, bits: int, scales: torch.Tensor | None):
-    """Scales of Q, K, V as [B, H, 1, 1] each: absmax per (batch x head), or the given [3, H] / [3, 1]."""
+    """Scales of Q, K, V as [B, H, 1, 1] each: absmax per (batch x head), or the given positive
+    [3, H] / [3, 1] (`positive` keeps a learned one so)."""
     if scales is None:
         return [absmax_scale(t, bits, dim=(-2, -1)) for t in (q, k, v)]
     _, qmax = qrange(bits)
@@ -110,7 +111,7 @@ def qkv_scales(q, k, v, bits: int, scales: torch.Tensor | None):
         # its steps in proportion to those of the weights.
         n = q[..., 0, :, :].numel() * (q.shape[1] if scales.shape[1] == 1 else 1)
         scales = grad_scale(scales, 1.0 / math.sqrt(n * qmax))
-    return [s.view(1, -1, 1, 1) for s in positive(scales)]
+    return [s.view(1, -1, 1, 1) for s in scales]
 
 
 def positive(scales: torch.Tensor) -> torch.Tensor:

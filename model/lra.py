@@ -114,11 +114,25 @@ class Attention(nn.Module):
         self._patterns: dict[torch.device, ops.SRBCRS] = {}
         if config.calibrated:
             # Q, K, V scales (rows) per head or per tensor; calibration sets them before finetuning.
-            init = torch.ones(3, self.h if config.quant_granularity == "head" else 1)
+            init = torch.ones(3, self.h if config.quant_granularity == "head" else 1, dtype=torch.float32)
             if config.quant_scales == "learned":
                 self.qkv_scale = nn.Parameter(init)
             else:
                 self.register_buffer("qkv_scale", init, persistent=True)
+
+    def _apply(self, fn, recurse=True):
+        # The Q/K/V scales are quantization metadata and stay fp32 when the weights change dtype
+        # (model.half()): a half model divides by the calibrated values themselves, and its
+        # forward passes them to the kernels without a conversion.
+        before = self.qkv_scale.detach() if self.config.calibrated else None
+        super()._apply(fn, recurse)
+        if before is not None and self.qkv_scale.dtype != before.dtype:
+            kept = before.to(self.qkv_scale.device)
+            if isinstance(self.qkv_scale, nn.Parameter):
+                self.qkv_scale.data = kept
+            else:
+                self.qkv_scale = kept
+        return self
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._patterns.clear()
@@ -139,7 +153,7 @@ class Attention(nn.Module):
         if backend in QUANTIZED and impl != "masked" and not needs_grad and scales is not None \
                 and x.dtype == torch.float16:
             # Fixed scales: Q, K and V are quantized in the projection's epilogue, never stored in fp16.
-            scales = fakequant.positive(scales.detach())
+            scales = scales.detach()
             qkv = ops.qkv_projection(x, self.qkv.weight, self.qkv.bias, scales, heads=self.h,
                                      bits=QUANTIZED[backend][1])
             return self.drop(self.proj(self.integer_ops(qkv, scales, B).to(x.dtype)))
@@ -171,11 +185,13 @@ class Attention(nn.Module):
         return y.masked_fill(empty[:, None], 0.0)
 
     def scales(self) -> torch.Tensor | None:
-        """The calibrated Q/K/V scales [3, H or 1] if they serve the current backend, else None (absmax)."""
+        """The calibrated Q/K/V scales [3, H or 1] in fp32 if they serve the current backend, else
+        None (absmax). Fixed scales serve as calibrated (positive: `scale_of_absmax`); learned ones
+        are kept positive, as a step can reach zero or below."""
         c = self.config
-        if c.calibrated and c.attention == c.quant_precision:
-            return self.qkv_scale
-        return None
+        if not (c.calibrated and c.attention == c.quant_precision):
+            return None
+        return fakequant.positive(self.qkv_scale) if c.quant_scales == "learned" else self.qkv_scale
 
     def fake_quantized(self, q, k, v) -> torch.Tensor:
         """The quantized backend's function, differentiable (attention dropout does not apply: the
@@ -223,7 +239,7 @@ class Attention(nn.Module):
         _, B, H, _, _ = qkv.shape
         scales = self.scales()
         if scales is not None:
-            scales = fakequant.positive(scales.detach()).view(3, 1, -1, 1, 1).expand(3, B, H, 1, 1)
+            scales = scales.detach().view(3, 1, -1, 1, 1).expand(3, B, H, 1, 1)
         return quantize_qkv(qkv, bits, scales)
 
 

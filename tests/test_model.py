@@ -109,7 +109,7 @@ def per_head_copies(attn, q, k, v):
         amax = [t.abs().amax(dim=(1, 2)).float() for t in flat]
         s = [torch.where(a > 0, a / qmax, torch.ones_like(a)) for a in amax]
     else:
-        s = fakequant.positive(scales.detach()).repeat(1, H // scales.shape[1]).repeat(1, B)
+        s = scales.detach().repeat(1, H // scales.shape[1]).repeat(1, B)
     qq, kq, vq = (ops.quant.quantize_to_container(t, si.view(-1, 1, 1), bits) for t, si in zip(flat, s))
     pat = attn.pattern(q.device)
     scores = ops.sddmm(pat, qq, kq, bits=bits, scale_a=s[0], scale_b=s[1])
@@ -184,6 +184,28 @@ def test_calibrated_fp16_layer_quantizes_in_the_projection(backend, granularity,
         want = attn.proj(per_head_copies(attn, q, k, v).transpose(1, 2).reshape(B, T, E))
         assert torch.equal(attn(x), want)
     assert calls == [QUANTIZED[backend][1]]
+
+
+@pytest.mark.parametrize("mode", ["fixed", "learned"])
+def test_scales_stay_fp32_when_the_weights_change_dtype(mode):
+    """qkv_scale keeps its fp32 values through .half() and .to(): a half model divides by the
+    calibrated values themselves, and hands fixed ones to the kernels as they are."""
+    model = LRAClassifier(small_config(attention="8b-8b", quant_precision="8b-8b", quant_scales=mode))
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        attn.qkv_scale.copy_(torch.tensor([[0.1, 1e-6], [3.3, 70000.0], [0.7, 2.0 ** -30]]))  # none an fp16 value
+    want = attn.qkv_scale.detach().clone()
+    model.half().to(torch.bfloat16).to("cpu")
+    assert attn.qkv.weight.dtype == torch.bfloat16
+    assert attn.qkv_scale.dtype == torch.float32 and torch.equal(attn.qkv_scale, want)
+    assert isinstance(attn.qkv_scale, torch.nn.Parameter) == (mode == "learned")
+    assert any(p is attn.qkv_scale for p in model.parameters()) == (mode == "learned")
+    if mode == "fixed":
+        assert attn.scales() is attn.qkv_scale  # no clamp or conversion a forward
+    else:
+        with torch.no_grad():
+            attn.qkv_scale[0, 0] = -1.0  # a learned step past zero
+        assert attn.scales()[0, 0] == torch.finfo(torch.float32).tiny and torch.equal(attn.scales()[1:], want[1:])
 
 
 def test_the_layer_quantizes_through_the_one_pass_op(monkeypatch):
