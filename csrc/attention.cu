@@ -102,8 +102,8 @@ void rasterized(Params p, int64_t groups, int64_t bh, int smem, const cudaDevice
     p.group0 = static_cast<int>(g0);
     const dim3 grid(static_cast<unsigned>(window), static_cast<unsigned>(std::min<int64_t>(groups - g0, 65535)),
                     static_cast<unsigned>((bh + window - 1) / window));
-    magicube::attention_detail::attention_kernel<OP, PB, D, DV, SPLIT><<<grid, kThreads, smem, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    magicube::launch_overlapped(magicube::attention_detail::attention_kernel<OP, PB, D, DV, SPLIT>, grid,
+                                dim3(kThreads), static_cast<size_t>(smem), stream, p);
   }
 }
 

@@ -795,6 +795,7 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
 // the longest rows of every batch x head in a window start first.
 template <int OP, int PB, int D, int DV, bool SPLIT>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
+  await_inputs();
   const int64_t bh = static_cast<int64_t>(blockIdx.z) * gridDim.x + blockIdx.x;
   if (bh >= p.bh) return;  // the last window may be narrower
   const int group = p.group0 + blockIdx.y;

@@ -17,6 +17,7 @@
 
 #include "check.cuh"
 #include "launch.cuh"
+#include "mma.cuh"
 
 namespace {
 
@@ -63,6 +64,7 @@ __global__ void quantize_kernel(const T* __restrict__ x, const float* __restrict
                                 uint8_t* __restrict__ out, const Walk w) {
   constexpr float kMin = SIGNED ? -static_cast<float>(1 << (BITS - 1)) : 0.f;
   constexpr float kMax = SIGNED ? static_cast<float>((1 << (BITS - 1)) - 1) : static_cast<float>((1 << BITS) - 1);
+  magicube::await_inputs();
   int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   uint32_t d[kDigits];
   uint64_t rest = g;
@@ -160,9 +162,9 @@ void launch(const at::Tensor& x, const at::Tensor& scale, at::Tensor& out) {
     rest /= w.radix[i];
   }
   w.step[0] = static_cast<uint32_t>(rest);
-  quantize_kernel<T, BITS, SIGNED><<<static_cast<unsigned>(blocks), threads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const T*>(x.data_ptr()), scale.data_ptr<float>(), reinterpret_cast<uint8_t*>(out.data_ptr()), w);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  magicube::launch_overlapped(quantize_kernel<T, BITS, SIGNED>, dim3(static_cast<unsigned>(blocks)), dim3(threads), 0,
+                              at::cuda::getCurrentCUDAStream(), reinterpret_cast<const T*>(x.data_ptr()),
+                              scale.data_ptr<float>(), reinterpret_cast<uint8_t*>(out.data_ptr()), w);
 }
 
 template <typename T>

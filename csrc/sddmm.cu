@@ -29,6 +29,7 @@
 #include <cuda_fp16.h>
 
 #include "check.cuh"
+#include "launch.cuh"
 #include "long_rows.cuh"
 #include "mma.cuh"
 #include "sddmm_mma.cuh"
@@ -161,6 +162,7 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm(MODE, AL))
   constexpr bool kHalfOut = std::is_same<OutT, __half>::value;
   constexpr bool kScaled = MODE != kHalf && kHalfOut;
   const int row_bytes = AL == kWholeSteps ? step_bytes(MODE) : row_bytes_arg;
+  magicube::await_inputs();
   // Two tiles a warp, alternating by block: one __syncwarp a block then
   // orders each tile's reads before its next writes.
   __shared__ __align__(16) uint8_t smem[kHalfOut ? kWarps : 1][2][8 * S * 2];
@@ -398,13 +400,12 @@ void launch(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tens
             const at::Tensor& a, const at::Tensor& b, const float* sa, const float* sb, at::Tensor& out,
             int64_t m, int64_t n, int64_t k, int64_t row_bytes, int64_t v) {
   const dim3 grid(static_cast<unsigned>(long_rows + (num_vrows + kWarps - 1) / kWarps), static_cast<unsigned>(bh));
-  sddmm_kernel<MODE, AL, OutT><<<grid, kWarps * 32, 0, at::cuda::getCurrentCUDAStream()>>>(
-      row_ptr.data_ptr<int>(), col_idx.data_ptr<int>(), row_order.data_ptr<int>(),
+  magicube::launch_overlapped(
+      sddmm_kernel<MODE, AL, OutT>, grid, dim3(kWarps * 32), 0, at::cuda::getCurrentCUDAStream(), row_ptr.data_ptr<int>(), col_idx.data_ptr<int>(), row_order.data_ptr<int>(),
       static_cast<int>(long_rows), static_cast<int>(std::min<int64_t>(long_count, INT32_MAX)), static_cast<int>(num_vrows), static_cast<int>(nnz_pad / kStride), nnz_pad,
       static_cast<const uint8_t*>(a.data_ptr()), static_cast<const uint8_t*>(b.data_ptr()), sa, sb,
       static_cast<OutT*>(out.data_ptr()), static_cast<int>(m), static_cast<int>(n),
       static_cast<int>(k), static_cast<int>(row_bytes), static_cast<int>(v));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The widest unit (16, 4, 2 or 1 bytes) that divides every row's address,

@@ -30,7 +30,9 @@
 #include <tuple>
 
 #include "check.cuh"
+#include "launch.cuh"
 #include "long_rows.cuh"
+#include "mma.cuh"
 
 namespace magicube_softmax {
 
@@ -96,6 +98,7 @@ __global__ void __launch_bounds__(kWarps * 32)
                    int64_t nnz_pad, const __half* __restrict__ values, uint8_t* __restrict__ probs,
                    float* __restrict__ row_scale, float scale) {
   constexpr int kBps = LaneMap<V>::kBlocksPerStep;
+  magicube::await_inputs();
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   // split is uniform over the CTA, so are its returns: its warps all reach the barriers.
@@ -304,12 +307,11 @@ void launch(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tens
             const magicube::LongRows& lr, int64_t num_vrows, int64_t nnz_pad, int64_t bh,
             const at::Tensor& values, at::Tensor& probs, at::Tensor& row_scale, double scale) {
   const dim3 grid(static_cast<unsigned>(lr.candidates + (num_vrows + kWarps - 1) / kWarps), static_cast<unsigned>(bh));
-  softmax_kernel<V, OUT_BITS><<<grid, kWarps * 32, 0, at::cuda::getCurrentCUDAStream()>>>(
-      row_ptr.data_ptr<int>(), col_idx.data_ptr<int>(), row_order.data_ptr<int>(), static_cast<int>(lr.candidates),
+  magicube::launch_overlapped(
+      softmax_kernel<V, OUT_BITS>, grid, dim3(kWarps * 32), 0, at::cuda::getCurrentCUDAStream(), row_ptr.data_ptr<int>(), col_idx.data_ptr<int>(), row_order.data_ptr<int>(), static_cast<int>(lr.candidates),
       static_cast<int>(std::min<int64_t>(lr.slots, INT32_MAX)), static_cast<int>(num_vrows), nnz_pad,
       reinterpret_cast<const __half*>(values.data_ptr()), static_cast<uint8_t*>(probs.data_ptr()),
       row_scale.data_ptr<float>(), static_cast<float>(scale));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <int V>

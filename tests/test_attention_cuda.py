@@ -530,6 +530,53 @@ def test_current_stream_and_graph_capture(kernels):
     assert torch.equal(captured, want)
 
 
+def quantized_layer(pattern, x, scale, fused):
+    """A quantized layer's ops on x [3, BH, N, d] (fp16 Q, K, V) with scales [3, BH, 1, 1]: the
+    quantize op, then the fused op or sddmm -> sparse_softmax -> spmm, 8-bit throughout."""
+    from magicube import ops
+
+    q, k, v = ops.quantize_to_container(x, scale, 8)
+    sq, sk, sv = scale.view(3, -1)
+    d = x.shape[-1]
+    if fused:
+        return ops.sparse_attention(pattern, q, k, v, softmax_scale=d ** -0.5, qk_bits=8, p_bits=8, scale_q=sq,
+                                    scale_k=sk, scale_v=sv)
+    s = ops.sddmm(pattern, q, k, bits=8, scale_a=sq, scale_b=sk)
+    p, row_scale = ops.sparse_softmax(pattern, s, scale=d ** -0.5, out_bits=8)
+    return ops.spmm(pattern, p, v, a_bits=8, a_signed=False, b_bits=8, scale_a=row_scale, scale_b=sv)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["three-ops", "fused"])
+def test_chained_ops_wait_for_their_inputs(kernels, fused):
+    """Each op reads what the one before it wrote (a fresh fp16 product, its containers, the
+    scores, the probabilities), replayed from a CUDA graph so that the launches follow each other
+    on the GPU. On sm_90 every kernel may start launching while its predecessor still runs
+    (launch.cuh), so it must wait for those writes first. Compared bit for bit with the same calls
+    run one at a time, for three different inputs."""
+    for family in ("quantize", "sddmm", "softmax", "spmm"):  # built, or the ops would fall back to the reference
+        load_kernels(family)
+    bh, n, d, v = 8, 512, 64, 8
+    pattern = SRBCRS.from_mask(random_vector_mask(n, n, v, 0.8, seed=6)).to("cuda")
+    g = torch.Generator(device="cuda").manual_seed(6)
+    base = torch.randn(3, bh, n, d, device="cuda", generator=g)
+    scale = base.abs().amax(dim=(2, 3), keepdim=True) / 127
+    factor = torch.ones((), device="cuda")
+    wants = []
+    for f in (1.0, -0.5, 2.0):
+        wants.append(quantized_layer(pattern, (base * f).half(), scale, fused))
+        torch.cuda.synchronize()
+    quantized_layer(pattern, (base * factor).half(), scale, fused)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = quantized_layer(pattern, (base * factor).half(), scale, fused)
+    for f, want in zip((1.0, -0.5, 2.0), wants):
+        factor.fill_(f)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"factor {f}: the chain differs"
+
+
 def test_argument_checks(kernels):
     p, _ = problem(4, 2, 64, 8, 0.5, seed=0)
     cuda = p.to("cuda")
