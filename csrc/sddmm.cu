@@ -401,8 +401,10 @@ void launch(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tens
             int64_t m, int64_t n, int64_t k, int64_t row_bytes, int64_t v) {
   const dim3 grid(static_cast<unsigned>(long_rows + (num_vrows + kWarps - 1) / kWarps), static_cast<unsigned>(bh));
   magicube::launch_overlapped(
-      sddmm_kernel<MODE, AL, OutT>, grid, dim3(kWarps * 32), 0, at::cuda::getCurrentCUDAStream(), row_ptr.data_ptr<int>(), col_idx.data_ptr<int>(), row_order.data_ptr<int>(),
-      static_cast<int>(long_rows), static_cast<int>(std::min<int64_t>(long_count, INT32_MAX)), static_cast<int>(num_vrows), static_cast<int>(nnz_pad / kStride), nnz_pad,
+      sddmm_kernel<MODE, AL, OutT>, grid, dim3(kWarps * 32), 0, at::cuda::getCurrentCUDAStream(),
+      row_ptr.data_ptr<int>(), col_idx.data_ptr<int>(), row_order.data_ptr<int>(), static_cast<int>(long_rows),
+      static_cast<int>(std::min<int64_t>(long_count, INT32_MAX)), static_cast<int>(num_vrows),
+      static_cast<int>(nnz_pad / kStride), nnz_pad,
       static_cast<const uint8_t*>(a.data_ptr()), static_cast<const uint8_t*>(b.data_ptr()), sa, sb,
       static_cast<OutT*>(out.data_ptr()), static_cast<int>(m), static_cast<int>(n),
       static_cast<int>(k), static_cast<int>(row_bytes), static_cast<int>(v));

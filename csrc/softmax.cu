@@ -308,7 +308,8 @@ void launch(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tens
             const at::Tensor& values, at::Tensor& probs, at::Tensor& row_scale, double scale) {
   const dim3 grid(static_cast<unsigned>(lr.candidates + (num_vrows + kWarps - 1) / kWarps), static_cast<unsigned>(bh));
   magicube::launch_overlapped(
-      softmax_kernel<V, OUT_BITS>, grid, dim3(kWarps * 32), 0, at::cuda::getCurrentCUDAStream(), row_ptr.data_ptr<int>(), col_idx.data_ptr<int>(), row_order.data_ptr<int>(), static_cast<int>(lr.candidates),
+      softmax_kernel<V, OUT_BITS>, grid, dim3(kWarps * 32), 0, at::cuda::getCurrentCUDAStream(),
+      row_ptr.data_ptr<int>(), col_idx.data_ptr<int>(), row_order.data_ptr<int>(), static_cast<int>(lr.candidates),
       static_cast<int>(std::min<int64_t>(lr.slots, INT32_MAX)), static_cast<int>(num_vrows), nnz_pad,
       reinterpret_cast<const __half*>(values.data_ptr()), static_cast<uint8_t*>(probs.data_ptr()),
       row_scale.data_ptr<float>(), static_cast<float>(scale));

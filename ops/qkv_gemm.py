@@ -25,7 +25,7 @@ try:
     from triton.language.extra import libdevice
     from triton.language.extra.cuda import gdc_launch_dependents
     from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # a CPU-only torch (or a Triton without tensor descriptors): the fallback serves
+except ImportError:  # a CPU-only torch (or a Triton without tensor descriptors or GDC): the fallback serves
     triton = None
 
 
@@ -97,9 +97,9 @@ if triton is not None:
         batch = (M // T).to(tl.int64) if WIDE else M // T
         plane = batch * H * T * Dc  # one of Q, K, V
         if PDL:
-            # The attention op that reads Q, K and V next is launched overlapped (launch.cuh) and
-            # waits for this grid's writes; letting it launch now hides its launch as the last
-            # tiles finish (H200, the calibrated 8b-8b layer in a CUDA graph: 0.7 us of 183).
+            # The ops that read Q, K and V next launch overlapped (launch.cuh) and wait for this
+            # grid's writes; letting them launch now hides their launch as the last tiles finish
+            # (H200, the calibrated 8b-8b layer in a CUDA graph: 0.7 us of 183).
             gdc_launch_dependents()
         for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * n_tiles, tl.num_programs(0), flatten=True,
                              warp_specialize=True):
