@@ -130,6 +130,8 @@ class Attention(nn.Module):
             kept = before.to(self.qkv_scale.device)
             if isinstance(self.qkv_scale, nn.Parameter):
                 self.qkv_scale.data = kept
+                if self.qkv_scale.grad is not None:  # converted with the parameter: it must match it
+                    self.qkv_scale.grad = self.qkv_scale.grad.float()
             else:
                 self.qkv_scale = kept
         return self

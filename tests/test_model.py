@@ -195,6 +195,8 @@ def test_scales_stay_fp32_when_the_weights_change_dtype(mode):
     with torch.no_grad():
         attn.qkv_scale.copy_(torch.tensor([[0.1, 1e-6], [3.3, 70000.0], [0.7, 2.0 ** -30]]))  # none an fp16 value
     want = attn.qkv_scale.detach().clone()
+    if mode == "learned":
+        attn.qkv_scale.grad = torch.ones_like(attn.qkv_scale)
     model.half().to(torch.bfloat16).to("cpu")
     assert attn.qkv.weight.dtype == torch.bfloat16
     assert attn.qkv_scale.dtype == torch.float32 and torch.equal(attn.qkv_scale, want)
@@ -203,6 +205,7 @@ def test_scales_stay_fp32_when_the_weights_change_dtype(mode):
     if mode == "fixed":
         assert attn.scales() is attn.qkv_scale  # no clamp or conversion a forward
     else:
+        assert attn.qkv_scale.grad.dtype == torch.float32
         with torch.no_grad():
             attn.qkv_scale[0, 0] = -1.0  # a learned step past zero
         assert attn.scales()[0, 0] == torch.finfo(torch.float32).tiny and torch.equal(attn.scales()[1:], want[1:])
