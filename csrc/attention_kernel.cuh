@@ -323,15 +323,21 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   uint32_t iss_dst = ring;
   auto issue = [&]() {
     if (iss_j < nbw) {
-      const int col_l = pf_col;
+      // Each lane turns its own slot's column into a row offset once, and the copies take theirs
+      // by shuffle. A dead slot (padding) copies value row 0, whose probability is 0: integer
+      // products then add 0; fp16 ones would turn an inf or NaN there into NaN, so fp16 copies
+      // zeros instead.
+      const bool live_l = static_cast<uint32_t>(pf_col) < n_cols;
+      const uint32_t off_l = (live_l ? static_cast<uint32_t>(pf_col) : 0u) * p.val.row;
+      const uint32_t live_mask = C::kFp16 ? __ballot_sync(0xffffffffu, live_l) : ~0u;
 #pragma unroll
       for (int k = 0; k < kRows; ++k) {
-        const int c = __shfl_sync(0xffffffffu, col_l, lane / LPR + kRowStep * k);
-        const bool live = static_cast<uint32_t>(c) < n_cols;
-        const uint8_t* src = val_base + (live ? static_cast<uint32_t>(c) : 0u) * p.val.row;
+        const int src_lane = lane / LPR + kRowStep * k;
+        const uint8_t* src = val_base + __shfl_sync(0xffffffffu, off_l, src_lane);
+        const int bytes = live_mask >> src_lane & 1u ? 16 : 0;
 #pragma unroll
         for (int u = 0; u < kChunks; ++u)
-          cp_async16<false>(iss_dst + (row_dst[k] ^ (16 * LPR * u)), src + 16 * LPR * u, live ? 16 : 0);
+          cp_async16<false>(iss_dst + (row_dst[k] ^ (16 * LPR * u)), src + 16 * LPR * u, bytes);
       }
       ++iss_j;
       if (iss_j < nbw) pf_col = col_of(iss_j);
@@ -375,12 +381,9 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
     }
     // A dead slot (padding) loads key row 0 instead: its score is never kept, and an
     // unconditional load spares the zeroing and the predicated copies around it.
+    const uint32_t off_l = (live ? static_cast<uint32_t>(col_l) : 0u) * p.k.row;  // as the value copies
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const int c = __shfl_sync(0xffffffffu, col_l, 8 * n + g);
-      const uint32_t row = static_cast<uint32_t>(c) < n_cols ? static_cast<uint32_t>(c) : 0u;
-      ldg_words<C::kLaneBytes>(kr.raw[n], key_base + row * p.k.row);
-    }
+    for (int n = 0; n < 4; ++n) ldg_words<C::kLaneBytes>(kr.raw[n], key_base + __shfl_sync(0xffffffffu, off_l, 8 * n + g));
   };
 
   // ---- Scores of one block: h[n] holds the fp16 scores of row g at slots 8n + 2t, 8n + 2t + 1
