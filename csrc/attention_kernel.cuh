@@ -219,16 +219,16 @@ __device__ __forceinline__ float half_hi(uint32_t h) { return __half2float(__ush
 
 // 2^x in one MUFU op; results below 2^-126 flush to 0, which every probability rounds to anyway
 // (quantized: e * qmax < 0.5; fp16: below its subnormals).
-// The low bits of rint(v) for 0 <= v < 2^22 (a NaN v gives 0, as cvt.rni.u32 does), by the FMA pipe
-// instead of the conversion unit that ex2 also needs (16 results a clock an SM): adding 1.5 * 2^23
-// rounds v to an integer, to nearest even, in the float's low mantissa bits.
-__device__ __forceinline__ uint32_t small_rint_bits(float v) { return __float_as_uint(fmaxf(v, 0.f) + 12582912.f); }
-
 __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+
+// The low bits of rint(v) for 0 <= v < 2^22 (a NaN v gives 0, as cvt.rni.u32 does), by the FMA pipe
+// instead of the conversion unit that ex2 also needs (16 results a clock an SM): adding 1.5 * 2^23
+// rounds v to an integer, to nearest even, in the float's low mantissa bits.
+__device__ __forceinline__ uint32_t small_rint_bits(float v) { return __float_as_uint(fmaxf(v, 0.f) + 12582912.f); }
 
 // Element i of an fp32 vector whose elements lie `step` bytes apart. The host keeps every i * step
 // below 2^32: a 32-bit product (a 64-bit one costs the split-row kernels up to 5 registers).
