@@ -228,7 +228,9 @@ __device__ __forceinline__ float ex2(float x) {
 // The low bits of rint(v) for 0 <= v < 2^22 (a NaN v gives 0, as cvt.rni.u32 does), by the FMA pipe
 // instead of the conversion unit that ex2 also needs (16 results a clock an SM): adding 1.5 * 2^23
 // rounds v to an integer, to nearest even, in the float's low mantissa bits.
-__device__ __forceinline__ uint32_t small_rint_bits(float v) { return __float_as_uint(fmaxf(v, 0.f) + 12582912.f); }
+__device__ __forceinline__ uint32_t small_rint_bits(float v) {
+  return __float_as_uint(__fadd_rn(fmaxf(v, 0.f), 12582912.f));
+}
 
 // Element i of an fp32 vector whose elements lie `step` bytes apart. The host keeps every i * step
 // below 2^32: a 32-bit product (a 64-bit one costs the split-row kernels up to 5 registers).
@@ -383,7 +385,8 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
     // unconditional load spares the zeroing and the predicated copies around it.
     const uint32_t off_l = (live ? static_cast<uint32_t>(col_l) : 0u) * p.k.row;  // as the value copies
 #pragma unroll
-    for (int n = 0; n < 4; ++n) ldg_words<C::kLaneBytes>(kr.raw[n], key_base + __shfl_sync(0xffffffffu, off_l, 8 * n + g));
+    for (int n = 0; n < 4; ++n)
+      ldg_words<C::kLaneBytes>(kr.raw[n], key_base + __shfl_sync(0xffffffffu, off_l, 8 * n + g));
   };
 
   // ---- Scores of one block: h[n] holds the fp16 scores of row g at slots 8n + 2t, 8n + 2t + 1
@@ -624,7 +627,7 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
           sum += e[n][x];
           // x <= 0, so e <= 1 + 2^-22 (ex2.approx: 2 ulp) and e * qmax rounds to at most qmax: no
           // clamp, as in the reference.
-          q[n][x] = small_rint_bits(e[n][x] * kQmax);  // the planes below take its low bytes
+          q[n][x] = small_rint_bits(__fmul_rn(e[n][x], kQmax));  // the planes below take its low bytes
         }
       // B fragment: k = 4t + i <-> slots 2t, 2t+1, 8+2t, 9+2t (b0) and 16 + the same (b1).
       uint32_t pb[C::kPPlanes][2];
