@@ -19,6 +19,7 @@ namespace {
 
 using magicube::attention_detail::Cfg;
 using magicube::attention_detail::Params;
+using magicube::attention_detail::attention_kernel;
 using magicube::attention_detail::kHalf;
 using magicube::attention_detail::kInt16;
 using magicube::attention_detail::kInt4;
@@ -93,7 +94,7 @@ magicube::attention_detail::Scale scale_of(const at::Tensor& t, const char* name
 // (50 MB L2, B 8, H 4, L 4096, sparsity 0.9), all 32 batch x heads of 8-bit inputs (16 MB) together
 // took 148 us against 158 one after the other, and 64 together 479 against 305 for 32; fp16 (1 MB
 // each) 331 us for 32 together, 292 for 16. A launch covers at most 65535 row groups.
-template <int OP, int PB, int D, int DV, bool SPLIT>
+template <int OP, int PB, int D, int DV, bool SPLIT, bool USK>
 void rasterized(Params p, int64_t groups, int64_t bh, int smem, const cudaDeviceProp* prop, cudaStream_t stream) {
   using C = Cfg<OP, PB, D, DV>;
   const int64_t per_bh = static_cast<int64_t>(p.n) * (C::kKeyBytes + C::kValBytes);
@@ -102,16 +103,16 @@ void rasterized(Params p, int64_t groups, int64_t bh, int smem, const cudaDevice
     p.group0 = static_cast<int>(g0);
     const dim3 grid(static_cast<unsigned>(window), static_cast<unsigned>(std::min<int64_t>(groups - g0, 65535)),
                     static_cast<unsigned>((bh + window - 1) / window));
-    magicube::launch_overlapped(magicube::attention_detail::attention_kernel<OP, PB, D, DV, SPLIT>, grid,
+    magicube::launch_overlapped(attention_kernel<OP, PB, D, DV, SPLIT, USK>, grid,
                                 dim3(kThreads), static_cast<size_t>(smem), stream, p);
   }
 }
 
-template <int OP, int PB, int D, int DV, bool SPLIT>
+template <int OP, int PB, int D, int DV, bool SPLIT, bool USK>
 void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, int64_t longest_row, cudaStream_t stream) {
   using C = Cfg<OP, PB, D, DV>;
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  const int max_smem = magicube::max_dynamic_smem<magicube::attention_detail::attention_kernel<OP, PB, D, DV, SPLIT>>();
+  const int max_smem = magicube::max_dynamic_smem<attention_kernel<OP, PB, D, DV, SPLIT, USK>>();
   // Score cache: the blocks a warp gets from a row of mean length (every row, for the balanced
   // masks of the paper). Longer rows recompute their last blocks' scores. Whole rows take a cache
   // that leaves room for 4 CTAs (16 warps) per SM where a mean row's fits, else 3; split rows as
@@ -136,7 +137,7 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, int64_t longes
     // Whole rows pay off only with every block of a mean row cached: a recomputed block gathers
     // its key tile twice (three times with fp16 probabilities).
     if (cached > room) room = fit(per_sm(3));
-    if (cached > room) return launch<OP, PB, D, DV, true>(p, vrows, bh, nnz_pad, longest_row, stream);
+    if (cached > room) return launch<OP, PB, D, DV, true, USK>(p, vrows, bh, nnz_pad, longest_row, stream);
   }
   cached = std::max<int64_t>(1, std::min<int64_t>(cached, room));
   const int smem = C::smem_bytes(static_cast<int>(cached));
@@ -152,8 +153,7 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, int64_t longes
     // random mask pays for the CTAs that return at once: 149.0 -> 150.5 us.
     const magicube::LongRows lr = magicube::long_rows(nnz_pad, vrows, longest_row, kSlots);
     if (lr.candidates > 0) {
-      using magicube::attention_detail::attention_kernel;
-      const int split_smem = magicube::max_dynamic_smem<attention_kernel<OP, PB, D, DV, true>>();
+      const int split_smem = magicube::max_dynamic_smem<attention_kernel<OP, PB, D, DV, true, USK>>();
       MAGICUBE_CHECK(smem <= split_smem, "sparse_attention: needs ", smem,
                      " bytes of shared memory per block for the long rows, the device has ", split_smem);
       p.long_rows = static_cast<int>(lr.candidates);
@@ -163,25 +163,25 @@ void launch(Params p, int64_t vrows, int64_t bh, int64_t nnz_pad, int64_t longes
       at::cuda::CUDAEvent fork, join;
       fork.record(main);
       fork.block(side);
-      rasterized<OP, PB, D, DV, true>(p, lr.candidates, bh, smem, prop, side.stream());
+      rasterized<OP, PB, D, DV, true, USK>(p, lr.candidates, bh, smem, prop, side.stream());
       join.record(side);
-      rasterized<OP, PB, D, DV, false>(p, (vrows + kWarps - 1) / kWarps, bh, smem, prop, stream);
+      rasterized<OP, PB, D, DV, false, USK>(p, (vrows + kWarps - 1) / kWarps, bh, smem, prop, stream);
       join.block(main);
       return;
     }
   }
-  rasterized<OP, PB, D, DV, SPLIT>(p, SPLIT ? vrows : (vrows + kWarps - 1) / kWarps, bh, smem, prop, stream);
+  rasterized<OP, PB, D, DV, SPLIT, USK>(p, SPLIT ? vrows : (vrows + kWarps - 1) / kWarps, bh, smem, prop, stream);
 }
 
 // One head dim for query/key and value: every (d, dv) pair would triple the instantiations (and
 // the build) for shapes attention layers do not use.
-template <int OP, int PB, bool SPLIT>
+template <int OP, int PB, bool SPLIT, bool USK>
 void dispatch_dims(const Params& p, int64_t d, int64_t vrows, int64_t bh, int64_t nnz_pad, int64_t longest_row,
                    cudaStream_t stream) {
   switch (d) {
-    case 32: launch<OP, PB, 32, 32, SPLIT>(p, vrows, bh, nnz_pad, longest_row, stream); break;
-    case 64: launch<OP, PB, 64, 64, SPLIT>(p, vrows, bh, nnz_pad, longest_row, stream); break;
-    default: launch<OP, PB, 128, 128, SPLIT>(p, vrows, bh, nnz_pad, longest_row, stream); break;
+    case 32: launch<OP, PB, 32, 32, SPLIT, USK>(p, vrows, bh, nnz_pad, longest_row, stream); break;
+    case 64: launch<OP, PB, 64, 64, SPLIT, USK>(p, vrows, bh, nnz_pad, longest_row, stream); break;
+    default: launch<OP, PB, 128, 128, SPLIT, USK>(p, vrows, bh, nnz_pad, longest_row, stream); break;
   }
 }
 
@@ -190,8 +190,14 @@ void dispatch_dims(const Params& p, int64_t d, int64_t vrows, int64_t bh, int64_
 template <int OP, int PB>
 void dispatch_layout(const Params& p, bool split, int64_t d, int64_t vrows, int64_t bh, int64_t nnz_pad,
                      int64_t longest_row, cudaStream_t stream) {
-  if (split) dispatch_dims<OP, PB, true>(p, d, vrows, bh, nnz_pad, longest_row, stream);
-  else dispatch_dims<OP, PB, false>(p, d, vrows, bh, nnz_pad, longest_row, stream);
+  // A key scale of stride 0 along the keys takes the kernels that read it once (UNIFORM_SK in
+  // attention_kernel.cuh); fp16 has no scales.
+  constexpr bool kUniform = OP != kHalf;
+  const bool uniform = kUniform && p.scale_k.step == 0;
+  if (split && uniform) dispatch_dims<OP, PB, true, kUniform>(p, d, vrows, bh, nnz_pad, longest_row, stream);
+  else if (split) dispatch_dims<OP, PB, true, false>(p, d, vrows, bh, nnz_pad, longest_row, stream);
+  else if (uniform) dispatch_dims<OP, PB, false, kUniform>(p, d, vrows, bh, nnz_pad, longest_row, stream);
+  else dispatch_dims<OP, PB, false, false>(p, d, vrows, bh, nnz_pad, longest_row, stream);
 }
 
 at::Tensor sparse_attention_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order,

@@ -239,8 +239,8 @@ __device__ __forceinline__ const float* strided(const float* base, uint32_t i, u
 }
 
 // Vector row `order_pos` of row_order in batch x head bh: the warp's own row (whole rows), or the
-// CTA's, its blocks shared by the 4 warps (SPLIT).
-template <int OP, int PB, int D, int DV, bool SPLIT>
+// CTA's, its blocks shared by the 4 warps (SPLIT). UNIFORM_SK: attention_kernel's comment.
+template <int OP, int PB, int D, int DV, bool SPLIT, bool UNIFORM_SK>
 __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int order_pos) {
   using C = Cfg<OP, PB, D, DV>;
   constexpr int NW = C::kLaneWords;
@@ -264,7 +264,10 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   const bool row_live = g < v;
   const uint32_t b = static_cast<uint32_t>(bh) / static_cast<uint32_t>(p.heads);
   const uint32_t h = static_cast<uint32_t>(bh) - b * static_cast<uint32_t>(p.heads);
-  const float softmax_scale = p.softmax_scale;
+  // Scores are kept as fl(x) * sign(softmax_scale) (negation is exact), so that
+  // fl(x * softmax_scale) = fl(stored * |softmax_scale|) and the row max is a plain max.
+  const float scale_abs = fabsf(p.softmax_scale);
+  const bool negate = p.softmax_scale < 0.f;
 
   // Query fragment (A of S = Q K^T): row g, the lane's run t; rows g >= V and g + 8 are zero.
   Words qw;
@@ -370,16 +373,16 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
     float sk;
     uint32_t live;
   };
-  // A key scale that is one number per batch x head (stride 0 along the keys, as the attention
-  // layer passes it) is read once: sq * sk is then one product per query row.
-  const bool sk_uniform = p.scale_k.step == 0;
-  const float sqk = !C::kFp16 && sk_uniform && p.n > 0 ? sq * *sk_base : 0.f;
+  // A uniform key scale is read once: sq * sk is then one product per query row.
+  const float sq_signed = negate ? -sq : sq;
+  const float sqk = UNIFORM_SK && p.n > 0 ? sq_signed * *sk_base : 0.f;
+  constexpr bool kKeyScales = !C::kFp16 && !UNIFORM_SK;
   auto load_keys = [&](int col_l, Keys& kr) {
     const bool live = static_cast<uint32_t>(col_l) < n_cols;
     kr.live = __ballot_sync(0xffffffffu, live);
     kr.sk = 0.f;
-    if constexpr (!C::kFp16) {
-      if (live && !sk_uniform) kr.sk = *strided(sk_base, col_l, p.scale_k.step);
+    if constexpr (kKeyScales) {
+      if (live) kr.sk = *strided(sk_base, col_l, p.scale_k.step);
     }
     // A dead slot (padding) loads key row 0 instead: its score is never kept, and an
     // unconditional load spares the zeroing and the predicated copies around it.
@@ -426,9 +429,9 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
     for (int n = 0; n < 4; ++n) {
       // sq times the key scales of the lane's two slots 8n + 2t, 8n + 2t + 1.
       float f[2] = {sqk, sqk};
-      if (!C::kFp16 && !sk_uniform) {
-        f[0] = sq * __shfl_sync(0xffffffffu, kr.sk, 8 * n + 2 * t);
-        f[1] = sq * __shfl_sync(0xffffffffu, kr.sk, 8 * n + 2 * t + 1);
+      if constexpr (kKeyScales) {
+        f[0] = sq_signed * __shfl_sync(0xffffffffu, kr.sk, 8 * n + 2 * t);
+        f[1] = sq_signed * __shfl_sync(0xffffffffu, kr.sk, 8 * n + 2 * t + 1);
       }
       __half hv[2];
 #pragma unroll
@@ -443,22 +446,20 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
           hv[e] = __float2half_rn(__int2float_rn(acc[n].d[e] >> (2 * C::kShift)) * f[e]);
         }
       }
-      h[n] = pack_half2(hv[0], hv[1]);
+      h[n] = pack_half2(hv[0], hv[1]) ^ (C::kFp16 && negate ? 0x80008000u : 0u);  // integers: f has the sign
     }
   };
 
   // The row max of fl(x * softmax_scale) over the kept slots. Rounding is monotonic, so that is
-  // fl(max x * s) for s >= 0 and fl(max(-x) * |s|) for s < 0 (negation is exact): the blocks
-  // keep a running fp16 max of the (negated) scores, one max.f16x2 per slot pair with the
-  // dropped slots set to -inf; max.f16x2 drops NaN as fmaxf does.
-  const uint32_t flip = softmax_scale < 0.f ? 0x80008000u : 0u;
+  // fl(max stored * |s|): the blocks keep a running fp16 max of the stored scores, one max.f16x2
+  // per slot pair with the dropped slots set to -inf; max.f16x2 drops NaN as fmaxf does.
   uint32_t hmax = 0xFC00FC00u;  // -inf, -inf
   // A full block (every slot kept: all but a row's last) takes no mask. Its rows past V get a max
   // too, which nothing reads (their outputs are not stored).
   auto block_max = [&](const uint32_t (&h)[4], uint32_t bits, bool full) {
     if (full) {
 #pragma unroll
-      for (int n = 0; n < 4; ++n) asm("max.f16x2 %0, %0, %1;\n" : "+r"(hmax) : "r"(h[n] ^ flip));
+      for (int n = 0; n < 4; ++n) asm("max.f16x2 %0, %0, %1;\n" : "+r"(hmax) : "r"(h[n]));
       return;
     }
     // Kept bit 8n + e moved to the sign bit of byte n (e = 0: k0, e = 1: k1); a sign-replicating
@@ -467,7 +468,7 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const uint32_t keep = prmt(k0, k1, (8 + n) * 0x11 + (12 + n) * 0x1100);
-      const uint32_t x = ((h[n] ^ flip) & keep) | (~keep & 0xFC00FC00u);
+      const uint32_t x = (h[n] & keep) | (~keep & 0xFC00FC00u);
       asm("max.f16x2 %0, %0, %1;\n" : "+r"(hmax) : "r"(x));
     }
   };
@@ -499,15 +500,18 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   // memory allows 3 CTAs per SM anyway, has the registers.
   constexpr bool kKeysAhead = C::kLaneBytes <= 16 || (C::kFp16 && C::kLaneBytes <= 32);
   // Two key buffers take turns (the loop unrolled by two): a copy of the next block's keys
-  // into the current one cost some 20 moves a block.
+  // into the current one cost some 20 moves a block. The next block's load is unconditional
+  // (past the last block it reads key row 0): with a branch around it ptxas loaded into spare
+  // registers and moved them over. H200, B 8, H 4, L 4096, sparsity 0.9: 8b-8b 122.5 -> 116.8 us,
+  // 16b-8b 144.5 -> 125.6, fp16 274 -> 265.5.
   Keys keys_a, keys_b;
   int col_next = nbw > 1 ? col_of(1) : -1;
   if (kKeysAhead && nbw > 0) load_keys(col_of(0), keys_a);
   auto pass1_block = [&](int j, Keys& cur, Keys& next) {
     uint32_t h[4], bits;
     if constexpr (kKeysAhead) {
-      if (j + 1 < nbw) load_keys(col_next, next);
-      if (j + 2 < nbw) col_next = col_of(j + 2);
+      load_keys(col_next, next);  // past the last block: key row 0 (col_next -1), never used
+      col_next = j + 2 < nbw ? col_of(j + 2) : -1;
     } else {
       load_keys(col_of(j), cur);
     }
@@ -522,7 +526,7 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   }
   __syncwarp();  // lane 0's block masks, for every lane of pass 2
   const float hm = fmaxf(half_lo(hmax), half_hi(hmax));
-  float mx = hm > -INFINITY ? hm * fabsf(softmax_scale) : -INFINITY;  // no kept slot: -inf, also for s = 0
+  float mx = hm > -INFINITY ? hm * scale_abs : -INFINITY;  // no kept slot: -inf, also for s = 0
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
   float row_max = mx;
@@ -545,8 +549,8 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   auto block_exp = [&](const uint32_t (&h)[4], uint32_t bits, float (&e)[4][2], auto full) {
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
-      const float x0 = __fsub_rn(__fmul_rn(half_lo(h[n]), softmax_scale), row_max);
-      const float x1 = __fsub_rn(__fmul_rn(half_hi(h[n]), softmax_scale), row_max);
+      const float x0 = __fsub_rn(__fmul_rn(half_lo(h[n]), scale_abs), row_max);
+      const float x1 = __fsub_rn(__fmul_rn(half_hi(h[n]), scale_abs), row_max);
       const float y0 = ex2(__fmul_rn(x0, kLog2e)), y1 = ex2(__fmul_rn(x1, kLog2e));
       e[n][0] = decltype(full)::value || (bits >> (8 * n) & 1u) ? y0 : 0.f;
       e[n][1] = decltype(full)::value || (bits >> (8 * n + 1) & 1u) ? y1 : 0.f;
@@ -822,17 +826,24 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
 // group (a CTA's vector rows in row_order, from p.group0: a launch covers at most 65535) and
 // blockIdx.z the window. CTAs start in that order (x fastest) and row_order descends in length, so
 // the longest rows of every batch x head in a window start first.
-template <int OP, int PB, int D, int DV, bool SPLIT>
+//
+// UNIFORM_SK (integer modes): the key scale is one number per batch x head (stride 0 along the
+// keys, as the attention layer passes it), multiplied into sq once instead of read per key. A
+// kernel of its own beats a runtime test of the stride: H200, B 8, H 4, L 4096, sparsity 0.9,
+// 8b-8b 116.8 us, against 122.2 with both copies of the row in one kernel (a test per row) and
+// some 2 % more with a test per block.
+template <int OP, int PB, int D, int DV, bool SPLIT, bool UNIFORM_SK>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   await_inputs();
   const int64_t bh = static_cast<int64_t>(blockIdx.z) * gridDim.x + blockIdx.x;
   if (bh >= p.bh) return;  // the last window may be narrower
   const int group = p.group0 + blockIdx.y;
   if constexpr (SPLIT) {
-    attention_row<OP, PB, D, DV, true>(p, bh, group);
+    attention_row<OP, PB, D, DV, true, UNIFORM_SK>(p, bh, group);
   } else {
     const int pos = group * kWarps + (threadIdx.x >> 5);
-    if (pos < p.m / p.v) attention_row<OP, PB, D, DV, false>(p, bh, pos);  // the last CTA may hold fewer rows
+    // The last CTA may hold fewer rows.
+    if (pos < p.m / p.v) attention_row<OP, PB, D, DV, false, UNIFORM_SK>(p, bh, pos);
   }
 }
 
