@@ -454,10 +454,8 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   // fl(max stored * |s|): the blocks keep a running fp16 max of the stored scores, one max.f16x2
   // per slot pair with the dropped slots set to -inf; max.f16x2 drops NaN as fmaxf does.
   uint32_t hmax = 0xFC00FC00u;  // -inf, -inf
-  // A full block (every slot kept: all but a row's last) takes no mask in the quantized kernels
-  // (fp16 ran 1 % slower without them). Its rows past V get a max too, which nothing reads (their
-  // outputs are not stored).
-  constexpr bool kUnmaskedFull = !C::kFp16;
+  // A full block (every slot kept: all but a row's last) takes no mask. Its rows past V get a max
+  // too, which nothing reads (their outputs are not stored).
   auto block_max = [&](const uint32_t (&h)[4], uint32_t bits, bool full) {
     if (full) {
 #pragma unroll
@@ -519,7 +517,7 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
     }
     block_scores(cur, h, bits);
     if (j < p.cached) cache_store(j, h, cur.live);
-    block_max(h, bits, kUnmaskedFull && cur.live == ~0u);
+    block_max(h, bits, !C::kFp16 && cur.live == ~0u);
   };
 #pragma unroll 1
   for (int j = 0; j < nbw; j += 2) {
@@ -703,9 +701,9 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
     bool full;
     scores_of(j, h, bits, full);
     // Full blocks without the kept-slot masks: H200, B 8, H 4, L 4096, sparsity 0.9, 8b-8b 126.8 ->
-    // 125.0 us, 4-bit 130.4 -> 125.6.
+    // 125.0 us, 4-bit 130.4 -> 125.6; fp16 ran 1 % slower with them and keeps the masks.
     const uint32_t tile = next_tile();
-    if (kUnmaskedFull && full) block_pv(tile, h, bits, std::true_type{});
+    if (!C::kFp16 && full) block_pv(tile, h, bits, std::true_type{});
     else block_pv(tile, h, bits, std::false_type{});
   }
 
