@@ -326,8 +326,12 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   int pf_col = nbw > 0 ? col_of(0) : -1;
   int iss_j = 0;
   uint32_t iss_dst = ring;
+  // 4-bit containers copy past the last block too (pf_col -1: value row 0, into a tile nobody
+  // reads), without a branch: H200, B 8, H 4, L 4096, sparsity 0.9, 4b-4b and 8b-4b 111 -> 108 us.
+  // 8-bit ones ran slower that way (8b-8b 117 -> 124), as did 16-bit and fp16.
+  constexpr bool kCopyPastEnd = OP == kInt4;
   auto issue = [&]() {
-    if (iss_j < nbw) {
+    if (kCopyPastEnd || iss_j < nbw) {
       // Each lane turns its own slot's column into a row offset once, and the copies take theirs
       // by shuffle. A dead slot (padding) copies value row 0, whose probability is 0: integer
       // products then add 0; fp16 ones would turn an inf or NaN there into NaN, so fp16 copies
@@ -346,6 +350,7 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
       }
       ++iss_j;
       if (iss_j < nbw) pf_col = col_of(iss_j);
+      else if (kCopyPastEnd) pf_col = -1;
     }
     cp_async_commit();
     iss_dst = iss_dst + C::kTileBytes == ring_end ? ring : iss_dst + C::kTileBytes;
@@ -454,8 +459,10 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   // fl(max stored * |s|): the blocks keep a running fp16 max of the stored scores, one max.f16x2
   // per slot pair with the dropped slots set to -inf; max.f16x2 drops NaN as fmaxf does.
   uint32_t hmax = 0xFC00FC00u;  // -inf, -inf
-  // A full block (every slot kept: all but a row's last) takes no mask. Its rows past V get a max
-  // too, which nothing reads (their outputs are not stored).
+  // A full block (every slot kept: all but a row's last) takes no mask in the quantized kernels
+  // (fp16 ran 1 % slower without them). Its rows past V get a max too, which nothing reads (their
+  // outputs are not stored).
+  constexpr bool kUnmaskedFull = !C::kFp16;
   auto block_max = [&](const uint32_t (&h)[4], uint32_t bits, bool full) {
     if (full) {
 #pragma unroll
@@ -517,7 +524,7 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
     }
     block_scores(cur, h, bits);
     if (j < p.cached) cache_store(j, h, cur.live);
-    block_max(h, bits, !C::kFp16 && cur.live == ~0u);
+    block_max(h, bits, kUnmaskedFull && cur.live == ~0u);
   };
 #pragma unroll 1
   for (int j = 0; j < nbw; j += 2) {
@@ -701,9 +708,9 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
     bool full;
     scores_of(j, h, bits, full);
     // Full blocks without the kept-slot masks: H200, B 8, H 4, L 4096, sparsity 0.9, 8b-8b 126.8 ->
-    // 125.0 us, 4-bit 130.4 -> 125.6; fp16 ran 1 % slower with them and keeps the masks.
+    // 125.0 us, 4-bit 130.4 -> 125.6.
     const uint32_t tile = next_tile();
-    if (!C::kFp16 && full) block_pv(tile, h, bits, std::true_type{});
+    if (kUnmaskedFull && full) block_pv(tile, h, bits, std::true_type{});
     else block_pv(tile, h, bits, std::false_type{});
   }
 
@@ -749,6 +756,17 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
         rs[x] = count == 0 ? 0.f : 1.f / (s * kQmax);
       }
     }
+    auto value = [&](int mt, int e) {
+      if constexpr (C::kFp16) {
+        return __float2half_rn(acc[0][mt][e]);
+      } else {
+        const float sv = *strided(sv_base, dv_of(mt, g + 8 * (e >> 1)), p.scale_v.step);
+        return __float2half_rn(__ll2float_rn(total(mt, e)) * (rs[e & 1] * sv));
+      }
+    };
+    // 8- and 4-bit values leave output columns dv, dv + 1 (dv even) in one lane: accumulators
+    // (mt, e) and (mt, e + 2) for 8 bits, (mt, e) and (mt + 1, e) for 4; one half2 store takes both.
+    constexpr bool kPairs = OP == kInt8 || OP == kInt4;
     __half* out = out_rows();
 #pragma unroll
     for (int mt = 0; mt < C::kMT; ++mt)
@@ -757,13 +775,15 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
         const int r = 2 * t + (e & 1);
         if (r >= v) continue;
         const int dv = dv_of(mt, g + 8 * (e >> 1));
-        if constexpr (C::kFp16) {
-          out[r * ld + dv] = __float2half_rn(acc[0][mt][e]);
+        if constexpr (kPairs) {
+          if (OP == kInt8 ? e >= 2 : (mt & 1) != 0) continue;  // the second of a pair
+          const int mt2 = OP == kInt8 ? mt : mt + 1, e2 = OP == kInt8 ? e + 2 : e;
+          *reinterpret_cast<__half2*>(out + r * ld + dv) = __halves2half2(value(mt, e), value(mt2, e2));
         } else {
-          const float sv = *strided(sv_base, dv, p.scale_v.step);
-          out[r * ld + dv] = __float2half_rn(__ll2float_rn(total(mt, e)) * (rs[e & 1] * sv));
+          out[r * ld + dv] = value(mt, e);
         }
       }
+    if constexpr (kCopyPastEnd) cp_async_wait<0>();  // the copies past the last block land first
     return;
   }
   cp_async_wait<0>();
