@@ -33,27 +33,46 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& 
 // gather kernel allows the next launch after its main loop, not at its start: CTAs of the next
 // kernel resident during the gathers took the L1 that cp.async.ca reuses (4-bit B up to 35 %
 // slower).
+template <int AB, bool AS, int BB, bool FAST, int TB = magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes>
+void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream) {
+  const int64_t tiles = (p.row_bytes + TB - 1) / TB;
+  MAGICUBE_CHECK(tiles <= 65535 && vrows <= INT32_MAX, "spmm: N or M too large");
+  const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(tiles), static_cast<unsigned>(bh));
+  magicube::launch_overlapped(magicube::spmm_detail::spmm_kernel<AB, AS, BB, FAST, TB>, grid, dim3(kThreads), 0,
+                              stream, p);
+}
+
+// Rows of at most 128 bytes (8-bit B of N <= 128, 16-bit and fp16 B of N <= 64; 4-bit B always
+// has this tile) take the narrow tile. With the wide one, half of every step's copies and products
+// were of zeros: on an H200 the narrow tile took 18-28 % less time (geometric means over M = K
+// 1024-4096, V 2 / 4 / 8, sparsity 0.7 / 0.9 / 0.98: L8-R8 and L16-R8 at N 64 and 128, L16-R16 and
+// fp16 at N 32 and 64), and the fp16 pipeline's P x V (batch x heads 32, L 4096, head dim 64)
+// 188 -> 112 us. The generic copies (rows not on 16 bytes) keep the wide tile.
 template <int AB, bool AS, int BB>
 void launch(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, bool fast) {
   namespace sd = magicube::spmm_detail;
-  constexpr int64_t tile = sd::Kind<AB, AS, BB>::kTileBytes;
-  const int64_t tiles = (p.row_bytes + tile - 1) / tile;
-  MAGICUBE_CHECK(tiles <= 65535 && vrows <= INT32_MAX, "spmm: N or M too large");
-  const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(tiles), static_cast<unsigned>(bh));
-  const auto kernel = fast ? sd::spmm_kernel<AB, AS, BB, true> : sd::spmm_kernel<AB, AS, BB, false>;
-  magicube::launch_overlapped(kernel, grid, dim3(kThreads), 0, stream, p);
+  if (!fast) return launch_tiles<AB, AS, BB, false>(p, vrows, bh, stream);
+  if constexpr (BB != 4) {
+    if (p.row_bytes <= sd::kNarrowTileBytes)
+      return launch_tiles<AB, AS, BB, true, sd::kNarrowTileBytes>(p, vrows, bh, stream);
+  }
+  launch_tiles<AB, AS, BB, true>(p, vrows, bh, stream);
 }
 
 // The resident-B kernel, where it applies: 8- or 4-bit B whose rows take 16-byte copies and a
 // 32-byte slice of all of B's rows fitting one CTA's shared memory. MAGICUBE_SPMM_KERNEL=resident
-// or gather forces the choice (tests, benchmarks). By default it runs where it paid on an H100:
-// on B rows of at most a quarter of the gather kernel's tile (64 bytes for 8-bit B), whose tiles
-// are then mostly zeros (2-4.7x faster at batch x heads 32, K 4096, N 64: the attention
-// pipeline's product), and on rows of half a tile with at least V x 40 KB of gathers per CTA
-// (V 2: 93 KB won, 8.7 against 10.6 us, and 64 KB lost, 5.1 against 4.6; V 8: 624 KB won, 208 KB
-// lost, 10.7 against 9.2). On full tiles the gather kernel runs at L2 bandwidth and the
-// shared-memory gathers lose to bank conflicts (N 256: 10.5 against 14.2 us). Returns whether it
-// ran.
+// or gather forces the choice (tests, benchmarks). By default it runs on rows that the gather
+// kernel's narrow tile (128 bytes) holds, from a count of gathers that grows with the share of the
+// tile a row fills. The thresholds are where it paid on an H200 (8- and 4-bit B, M = K 1024-4096,
+// V 2 / 4 / 8, sparsity 0.7 / 0.9 / 0.98, both kernels forced; gathers in bytes per SM and unit of
+// V): rows of at most a quarter of the tile from 12 KB (8-bit B, N 32: 19 KB and more won, up to
+// 14.4 against 58.1 us; 8 KB and less lost, up to 4.3 against 4.0); of half a tile from 36 KB (N
+// 64: 39 KB and more won, up to 24.8 against 57.4 us; 16 KB and less lost, up to 4.4 against 3.9);
+// full tiles from 300 KB (N 128: 310 KB and more won, up to 46.0 against 56.9 us, but for one
+// cell, 413 KB at sparsity 0.9, 22.8 against 21.9). Over those cells the choice took 0-0.8 % more
+// time than the faster kernel (geometric means per pair and N). Wider rows take the gather
+// kernel's wide tile at L2 bandwidth, and the resident kernel's shared-memory gathers lose to bank
+// conflicts (N 256: 8.6 against 14.5 us at the SpMM target). Returns whether it ran.
 template <int AB, bool AS, int BB>
 bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast) {
   namespace sd = magicube::spmm_detail;
@@ -70,10 +89,12 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const int64_t slices = (p.row_bytes + sd::kResidentSliceBytes - 1) / sd::kResidentSliceBytes;
   const int64_t groups = std::clamp<int64_t>(props->multiProcessorCount * std::max(per_sm, 1) / (slices * bh), 1,
                                              (vrows + sd::kResidentWarps - 1) / sd::kResidentWarps);
-  const int64_t ctas = groups * slices * bh;
-  const int64_t tile = sd::Kind<AB, AS, BB>::kTileBytes;
-  const bool pays = 4 * p.row_bytes <= tile ||
-                    (2 * p.row_bytes <= tile && bh * nnz_pad * p.row_bytes >= ctas * p.v * (40 << 10));
+  // The gather kernel's bytes per SM and unit of V (each gathered row feeds V output rows), and
+  // where the resident kernel starts to pay, by the share of the narrow tile that a row fills.
+  const int64_t tile = sd::kNarrowTileBytes;
+  const int64_t gathers = bh * nnz_pad * p.row_bytes / (props->multiProcessorCount * p.v);
+  const int64_t pays_from = 4 * p.row_bytes <= tile ? 12 << 10 : 2 * p.row_bytes <= tile ? 36 << 10 : 300 << 10;
+  const bool pays = p.row_bytes <= tile && gathers >= pays_from;
   if (choice == "auto" && !pays) return false;
   MAGICUBE_CHECK(slices <= 65535, "spmm: N too large");
   const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>(slices), static_cast<unsigned>(bh));

@@ -49,8 +49,11 @@ constexpr int kSlots = 32;        // SR-BCRS stride of the ops
 // Bytes of each gathered dense row per CTA: 256 for 8/16-bit B (256 int8 / 128 int16 or fp16
 // columns); int4 B takes 128 (again 256 columns), which keeps the accumulators of its four m-tiles
 // in registers. Wide tiles move more bytes per pipeline step (the barrier, index fetch and address
-// math are per step): 256 beat 128 by 1.1-1.3x on the largest problems measured.
+// math are per step): 256 beat 128 by 1.1-1.3x on the largest problems measured. Rows of at most
+// 128 bytes take the narrow tile whatever B's width (csrc/spmm.cu: launch), since in a wide one
+// half of every step's copies and products would be of zeros.
 constexpr int kWideTileBytes = 256;
+constexpr int kNarrowTileBytes = kWideTileBytes / 2;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kStages = 4;
@@ -76,15 +79,16 @@ struct Params {
   bool balance;
 };
 
-// AB/BB: sparse/dense bits (16, 8, 4); 0/0 is the fp16 kernel. AS: sparse values signed.
-template <int AB, bool AS, int BB>
+// AB/BB: sparse/dense bits (16, 8, 4); 0/0 is the fp16 kernel. AS: sparse values signed. TB: bytes
+// of each gathered dense row per CTA (the gather kernel's tile; see kWideTileBytes and launch).
+template <int AB, bool AS, int BB, int TB = (BB == 4 ? kNarrowTileBytes : kWideTileBytes)>
 struct Kind {
   static constexpr bool kFp16 = AB == 0;
   static constexpr int kABits = AB;
   static constexpr int kAPlanes = AB == 16 ? 2 : 1;
   static constexpr int kBPlanes = BB == 16 ? 2 : 1;
   static constexpr int kSparseRowBytes = kFp16 ? 64 : kSlots * AB / 8;
-  static constexpr int kTileBytes = BB == 4 ? kWideTileBytes / 2 : kWideTileBytes;
+  static constexpr int kTileBytes = TB;
   static constexpr int kChunks = kTileBytes / 16;
   static_assert(kChunks >= 8 && kChunks <= 16 && kChunks % kWarps == 0, "the swizzle needs >= 8 chunks");
   // Each thread copies one 16-byte chunk of kCopyRows of the 32 gathered rows per block.
@@ -387,9 +391,9 @@ __device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<A
   }
 }
 
-template <int AB, bool AS, int BB, bool FAST>
+template <int AB, bool AS, int BB, bool FAST, int TB>
 __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
-  using K = Kind<AB, AS, BB>;
+  using K = Kind<AB, AS, BB, TB>;
   constexpr int kTileBytes = K::kTileBytes;
   constexpr int kChunks = K::kChunks;
   constexpr int kCopyRows = K::kCopyRows;

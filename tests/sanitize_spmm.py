@@ -34,8 +34,9 @@ def main() -> int:
             p = SRBCRS.from_mask(vm, stride=32)
             cuda = p.to("cuda")
             emask = vm.to_dense()
-            # N = 36: misaligned rows (generic copies); N = 144: 16-byte copies with a partial tile.
-            for n in (36, 144):
+            # N = 36: misaligned rows (generic copies); N = 48: the narrow tile (8- and 16-bit B);
+            # N = 144: 16-byte copies with a partial tile.
+            for n in (36, 48, 144):
                 for a_bits, b_bits, a_signed in KINDS + [(0, 0, True)]:
                     bh = 2
                     if a_bits == 0:
