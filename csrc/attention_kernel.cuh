@@ -326,11 +326,11 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   int pf_col = nbw > 0 ? col_of(0) : -1;
   int iss_j = 0;
   uint32_t iss_dst = ring;
-  // 4-bit and fp16 containers copy past the last block too (pf_col -1: value row 0, or zeros for
-  // fp16, into a tile nobody reads), without a branch: H200, B 8, H 4, L 4096, sparsity 0.9, 4b-4b
-  // and 8b-4b 111 -> 108 us, fp16 263.7 -> 260.5. 8- and 16-bit ones ran slower that way (8b-8b
-  // 117 -> 124, 16b-16b 256 -> 263).
-  constexpr bool kCopyPastEnd = OP == kInt4 || OP == kHalf;
+  // 4-bit containers copy past the last block too (pf_col -1: value row 0, into a tile nobody
+  // reads), without a branch: H200, B 8, H 4, L 4096, sparsity 0.9, 4b-4b and 8b-4b 111 -> 108 us
+  // (0.95: 69 -> 67). 8- and 16-bit ones ran slower that way (8b-8b 117 -> 124, 16b-16b 256 ->
+  // 263), and fp16 ones, 2-3 us faster at 0.9, took 158 against 136 us at 0.95.
+  constexpr bool kCopyPastEnd = OP == kInt4;
   auto issue = [&]() {
     if (kCopyPastEnd || iss_j < nbw) {
       // Each lane turns its own slot's column into a row offset once, and the copies take theirs
