@@ -69,7 +69,7 @@ void launch(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, boo
 // 14.4 against 58.1 us; 8 KB and less lost, up to 4.3 against 4.0); of half a tile from 36 KB (N
 // 64: 39 KB and more won, up to 24.8 against 57.4 us; 16 KB and less lost, up to 4.4 against 3.9);
 // full tiles from 300 KB (N 128: 310 KB and more won, up to 46.0 against 56.9 us, but for one
-// cell, 413 KB at sparsity 0.9, 22.8 against 21.9). Over those cells the choice took 0-0.8 % more
+// cell, 413 KB at sparsity 0.9, 22.8 against 21.9). Over those cells the choice took 0-1.1 % more
 // time than the faster kernel (geometric means per pair and N). Wider rows take the gather
 // kernel's wide tile at L2 bandwidth, and the resident kernel's shared-memory gathers lose to bank
 // conflicts (N 256: 8.6 against 14.5 us at the SpMM target). Returns whether it ran.
