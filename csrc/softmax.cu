@@ -175,6 +175,15 @@ __global__ void __launch_bounds__(kWarps * 32)
   };
 
   if (cached) load_chunk(first);
+  // body(u, chunk) for every chunk of the warp's part of the row, u its place in the cache (each
+  // run of kCached chunks loaded first where the part does not stay cached).
+  auto for_each_chunk = [&](auto&& body) {
+    for (int c0 = first; c0 < last; c0 += kCached) {
+      if (!cached) load_chunk(c0);
+#pragma unroll 2
+      for (int u = 0; u < kCached && c0 + u < last; ++u) body(u, c0 + u);
+    }
+  };
 
   // A row's max or sum: over the warp's lanes of the row, then over the warps of a
   // split row in warp order.
@@ -196,25 +205,21 @@ __global__ void __launch_bounds__(kWarps * 32)
   // is taken on the packed halves; a negative scale takes it on -value.
   const uint32_t flip = c < 0.f ? 0x80008000u : 0u;
   __half2 hmax = __halves2half2(__ushort_as_half(0xFC00u), __ushort_as_half(0xFC00u));
-  for (int c0 = first; c0 < last; c0 += kCached) {
-    if (!cached) load_chunk(c0);
-#pragma unroll 2
-    for (int u = 0; u < kCached && c0 + u < last; ++u) {
-      const uint32_t msk = kept_mask(c0 + u);
-      if (msk == 0u) continue;
-      const uint4 qd = mine[u][lane];
-      const uint32_t words[4] = {qd.x, qd.y, qd.z, qd.w};
+  for_each_chunk([&](int u, int chunk) {
+    const uint32_t msk = kept_mask(chunk);
+    if (msk == 0u) return;
+    const uint4 qd = mine[u][lane];
+    const uint32_t words[4] = {qd.x, qd.y, qd.z, qd.w};
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        uint32_t w = words[q] ^ flip;
-        if (msk != 0xFFu) {
-          if (!(msk >> (2 * q) & 1u)) w = (w & 0xFFFF0000u) | 0xFC00u;
-          if (!(msk >> (2 * q + 1) & 1u)) w = (w & 0xFFFFu) | 0xFC000000u;
-        }
-        hmax = __hmax2(hmax, *reinterpret_cast<const __half2*>(&w));
+    for (int q = 0; q < 4; ++q) {
+      uint32_t w = words[q] ^ flip;
+      if (msk != 0xFFu) {
+        if (!(msk >> (2 * q) & 1u)) w = (w & 0xFFFF0000u) | 0xFC00u;
+        if (!(msk >> (2 * q + 1) & 1u)) w = (w & 0xFFFFu) | 0xFC000000u;
       }
+      hmax = __hmax2(hmax, *reinterpret_cast<const __half2*>(&w));
     }
-  }
+  });
   float xmax = fmaxf(__low2float(hmax), __high2float(hmax));
   xmax = over_row(xmax, [](float x, float y) { return fmaxf(x, y); });
   const float ymax = (flip ? -xmax : xmax) * c;
@@ -228,68 +233,56 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   float sum = 0.f;
   if constexpr (OUT_BITS == 0) {
-    for (int c0 = first; c0 < last; c0 += kCached) {
-      if (!cached) load_chunk(c0);
-#pragma unroll 2
-      for (int u = 0; u < kCached && c0 + u < last; ++u) {
-        float ev[8];
-        exps(u, kept_mask(c0 + u), ev);
+    for_each_chunk([&](int u, int chunk) {
+      float ev[8];
+      exps(u, kept_mask(chunk), ev);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) sum += ev[e];
-      }
-    }
+      for (int e = 0; e < 8; ++e) sum += ev[e];
+    });
     sum = over_row(sum, add);
     const float inv_sum = 1.f / sum;
-    for (int c0 = first; c0 < last; c0 += kCached) {
-      if (!cached) load_chunk(c0);
-#pragma unroll 2
-      for (int u = 0; u < kCached && c0 + u < last; ++u) {
-        const int64_t o = elem_offset(c0 + u);
-        if (o < 0) continue;
-        float ev[8];
-        exps(u, kept_mask(c0 + u), ev);
-        uint32_t pw[4];
+    for_each_chunk([&](int u, int chunk) {
+      const int64_t o = elem_offset(chunk);
+      if (o < 0) return;
+      float ev[8];
+      exps(u, kept_mask(chunk), ev);
+      uint32_t pw[4];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const unsigned short lo = __half_as_ushort(__float2half_rn(ev[2 * q] * inv_sum));
-          const unsigned short hi = __half_as_ushort(__float2half_rn(ev[2 * q + 1] * inv_sum));
-          pw[q] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-        }
-        *reinterpret_cast<uint4*>(probs + (bh * nnz_pad * V + o) * 2) = make_uint4(pw[0], pw[1], pw[2], pw[3]);
+      for (int q = 0; q < 4; ++q) {
+        const unsigned short lo = __half_as_ushort(__float2half_rn(ev[2 * q] * inv_sum));
+        const unsigned short hi = __half_as_ushort(__float2half_rn(ev[2 * q + 1] * inv_sum));
+        pw[q] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
       }
-    }
+      *reinterpret_cast<uint4*>(probs + (bh * nnz_pad * V + o) * 2) = make_uint4(pw[0], pw[1], pw[2], pw[3]);
+    });
   } else {
     // q = round(e * qmax) needs no sum: one pass computes e once for both.
-    for (int c0 = first; c0 < last; c0 += kCached) {
-      if (!cached) load_chunk(c0);
-#pragma unroll 2
-      for (int u = 0; u < kCached && c0 + u < last; ++u) {
-        const int64_t o = elem_offset(c0 + u);
-        if (o < 0) continue;
-        float ev[8];
-        exps(u, kept_mask(c0 + u), ev);
-        uint32_t qv[8];
+    for_each_chunk([&](int u, int chunk) {
+      const int64_t o = elem_offset(chunk);
+      if (o < 0) return;
+      float ev[8];
+      exps(u, kept_mask(chunk), ev);
+      uint32_t qv[8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          sum += ev[e];
-          qv[e] = __float2uint_rn(ev[e] * kQmax);
-        }
-        const int64_t dst = bh * nnz_pad * V + o;
-        if constexpr (OUT_BITS == 16) {
-          *reinterpret_cast<uint4*>(probs + dst * 2) =
-              make_uint4(qv[0] | qv[1] << 16, qv[2] | qv[3] << 16, qv[4] | qv[5] << 16, qv[6] | qv[7] << 16);
-        } else if constexpr (OUT_BITS == 8) {
-          *reinterpret_cast<uint2*>(probs + dst) =
-              make_uint2(qv[0] | qv[1] << 8 | qv[2] << 16 | qv[3] << 24,
-                         qv[4] | qv[5] << 8 | qv[6] << 16 | qv[7] << 24);
-        } else {
-          uint32_t packed = 0;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) packed |= qv[e] << (4 * e);
-          *reinterpret_cast<uint32_t*>(probs + dst / 2) = packed;
-        }
+      for (int e = 0; e < 8; ++e) {
+        sum += ev[e];
+        qv[e] = __float2uint_rn(ev[e] * kQmax);
       }
-    }
+      const int64_t dst = bh * nnz_pad * V + o;
+      if constexpr (OUT_BITS == 16) {
+        *reinterpret_cast<uint4*>(probs + dst * 2) =
+            make_uint4(qv[0] | qv[1] << 16, qv[2] | qv[3] << 16, qv[4] | qv[5] << 16, qv[6] | qv[7] << 16);
+      } else if constexpr (OUT_BITS == 8) {
+        *reinterpret_cast<uint2*>(probs + dst) =
+            make_uint2(qv[0] | qv[1] << 8 | qv[2] << 16 | qv[3] << 24,
+                       qv[4] | qv[5] << 8 | qv[6] << 16 | qv[7] << 24);
+      } else {
+        uint32_t packed = 0;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) packed |= qv[e] << (4 * e);
+        *reinterpret_cast<uint32_t*>(probs + dst / 2) = packed;
+      }
+    });
     sum = over_row(sum, add);
   }
 
