@@ -744,6 +744,16 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
     return p.out + (static_cast<int64_t>(b) * p.m + static_cast<int64_t>(vrow) * v) * ld + h * DV;
   };
   const float* const sv_base = p.scale_v.of(b, h);
+  // body(mt, e, r, dv) for each accumulator of a live output row: row r of the vector row, column dv.
+  auto for_each_output = [&](auto&& body) {
+#pragma unroll
+    for (int mt = 0; mt < C::kMT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 2 * t + (e & 1);
+        if (r < v) body(mt, e, r, dv_of(mt, g + 8 * (e >> 1)));
+      }
+  };
 
   if constexpr (!SPLIT) {
     // The warp owns the whole row: round its accumulators straight to the output. The row sums
@@ -769,21 +779,15 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
     // (mt, e) and (mt, e + 2) for 8 bits, (mt, e) and (mt + 1, e) for 4; one half2 store takes both.
     constexpr bool kPairs = OP == kInt8 || OP == kInt4;
     __half* out = out_rows();
-#pragma unroll
-    for (int mt = 0; mt < C::kMT; ++mt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = 2 * t + (e & 1);
-        if (r >= v) continue;
-        const int dv = dv_of(mt, g + 8 * (e >> 1));
-        if constexpr (kPairs) {
-          if (OP == kInt8 ? e >= 2 : (mt & 1) != 0) continue;  // the second of a pair
-          const int mt2 = OP == kInt8 ? mt : mt + 1, e2 = OP == kInt8 ? e + 2 : e;
-          *reinterpret_cast<__half2*>(out + r * ld + dv) = __halves2half2(value(mt, e), value(mt2, e2));
-        } else {
-          out[r * ld + dv] = value(mt, e);
-        }
+    for_each_output([&](int mt, int e, int r, int dv) {
+      if constexpr (kPairs) {
+        if (OP == kInt8 ? e >= 2 : (mt & 1) != 0) return;  // the second of a pair
+        const int mt2 = OP == kInt8 ? mt : mt + 1, e2 = OP == kInt8 ? e + 2 : e;
+        *reinterpret_cast<__half2*>(out + r * ld + dv) = __halves2half2(value(mt, e), value(mt2, e2));
+      } else {
+        out[r * ld + dv] = value(mt, e);
       }
+    });
     if constexpr (kCopyPastEnd) cp_async_wait<0>();  // the copies past the last block land first
     return;
   }
@@ -793,21 +797,13 @@ __device__ __forceinline__ void attention_row(const Params& p, int64_t bh, int o
   // ---- Cross-warp reduction of the V x DV partial outputs, then one rounding to fp16.
   using RedT = typename std::conditional<C::kFp16, float, int64_t>::type;
   RedT* red = reinterpret_cast<RedT*>(smem);
-#pragma unroll
-  for (int mt = 0; mt < C::kMT; ++mt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = 2 * t + (e & 1);
-      if (r >= v) continue;
-      const int dv = dv_of(mt, g + 8 * (e >> 1));
-      RedT x;
-      if constexpr (C::kFp16) {
-        x = acc[0][mt][e];
-      } else {
-        x = total(mt, e);
-      }
-      red[(warp * 8 + r) * DV + dv] = x;
+  for_each_output([&](int mt, int e, int r, int dv) {
+    if constexpr (C::kFp16) {
+      red[(warp * 8 + r) * DV + dv] = acc[0][mt][e];
+    } else {
+      red[(warp * 8 + r) * DV + dv] = total(mt, e);
     }
+  });
   // A thread writes output columns c, c + 1 of rows r, r + 2 kThreads / DV, ...: its columns and
   // their value scales are the same in every row, so the scales are loaded before the barrier.
   static_assert((2 * kThreads) % DV == 0, "a thread keeps its output columns");
