@@ -63,30 +63,6 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 
-template <int OUT_BITS>
-struct Store;
-
-template <>
-struct Store<0> {
-  using T = __half;
-  static constexpr float kQmax = 0.f;
-};
-template <>
-struct Store<16> {
-  using T = uint16_t;
-  static constexpr float kQmax = 65535.f;
-};
-template <>
-struct Store<8> {
-  using T = uint8_t;
-  static constexpr float kQmax = 255.f;
-};
-template <>
-struct Store<4> {
-  using T = uint8_t;
-  static constexpr float kQmax = 15.f;
-};
-
 // Grid (long_rows + ceil(M/V / 4), BH). CTA x < long_rows takes the vector row at
 // position x of row_order if it keeps more than long_count slots, with all of its
 // warps; the other CTAs give each warp the row at position 4 (x - long_rows) +
@@ -224,7 +200,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   xmax = over_row(xmax, [](float x, float y) { return fmaxf(x, y); });
   const float ymax = (flip ? -xmax : xmax) * c;
 
-  constexpr float kQmax = Store<OUT_BITS>::kQmax;
+  constexpr float kQmax = OUT_BITS == 0 ? 0.f : static_cast<float>((1 << OUT_BITS) - 1);  // fp16 output: unused
   const int64_t out_row = bh * static_cast<int64_t>(num_vrows) * V + static_cast<int64_t>(vrow) * V + r;
   auto exps = [&](int u, uint32_t msk, float (&ev)[8]) {
 #pragma unroll
