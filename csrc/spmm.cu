@@ -7,11 +7,13 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #include "check.cuh"
 #include "launch.cuh"
 #include "long_rows.cuh"
+#include "spmm_dense.cuh"
 #include "spmm_kernel.cuh"
 
 namespace {
@@ -59,9 +61,22 @@ void launch(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, boo
   launch_tiles<AB, AS, BB, true>(p, vrows, bh, stream);
 }
 
+// MAGICUBE_SPMM_KERNEL forces a kernel where it applies (tests, benchmarks): gather, resident
+// (the resident-B kernel) or dense (the dense path); auto, the default, lets the rules below pick.
+enum class Choice { kAuto, kGather, kResident, kDense };
+
+Choice kernel_choice() {
+  const char* env = std::getenv("MAGICUBE_SPMM_KERNEL");
+  const std::string choice = env ? env : "auto";
+  if (choice == "gather") return Choice::kGather;
+  if (choice == "resident") return Choice::kResident;
+  if (choice == "dense") return Choice::kDense;
+  MAGICUBE_CHECK(choice == "auto", "MAGICUBE_SPMM_KERNEL must be auto, gather, resident or dense, got ", choice);
+  return Choice::kAuto;
+}
+
 // The resident-B kernel, where it applies: 8- or 4-bit B whose rows take 16-byte copies and a
-// 32-byte slice of all of B's rows fitting one CTA's shared memory. MAGICUBE_SPMM_KERNEL=resident
-// or gather forces the choice (tests, benchmarks). By default it runs on rows that the gather
+// 32-byte slice of all of B's rows fitting one CTA's shared memory. By default it runs on rows that the gather
 // kernel's narrow tile (128 bytes) holds, from a count of gathers that grows with the share of the
 // tile a row fills. The thresholds are where it paid on an H200 (8- and 4-bit B, M = K 1024-4096,
 // V 2 / 4 / 8, sparsity 0.7 / 0.9 / 0.98, both kernels forced; gathers in bytes per SM and unit of
@@ -74,13 +89,10 @@ void launch(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, boo
 // kernel's wide tile at L2 bandwidth, and the resident kernel's shared-memory gathers lose to bank
 // conflicts (N 256: 8.6 against 14.5 us at the SpMM target). Returns whether it ran.
 template <int AB, bool AS, int BB>
-bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast) {
+bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
+                     Choice choice) {
   namespace sd = magicube::spmm_detail;
-  const char* env = std::getenv("MAGICUBE_SPMM_KERNEL");
-  const std::string choice = env ? env : "auto";
-  MAGICUBE_CHECK(choice == "auto" || choice == "gather" || choice == "resident",
-                 "MAGICUBE_SPMM_KERNEL must be auto, gather or resident, got ", choice);
-  if (choice == "gather" || !fast) return false;
+  if (choice == Choice::kGather || choice == Choice::kDense || !fast) return false;
   constexpr auto kernel = sd::spmm_resident_kernel<AB, AS, BB>;
   const int64_t smem = (static_cast<int64_t>(p.k) + 1) * sd::kResidentSliceBytes;
   if (smem > magicube::max_dynamic_smem<kernel>()) return false;
@@ -95,7 +107,7 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const int64_t gathers = bh * nnz_pad * p.row_bytes / (props->multiProcessorCount * p.v);
   const int64_t pays_from = 4 * p.row_bytes <= tile ? 12 << 10 : 2 * p.row_bytes <= tile ? 36 << 10 : 300 << 10;
   const bool pays = p.row_bytes <= tile && gathers >= pays_from;
-  if (choice == "auto" && !pays) return false;
+  if (choice == Choice::kAuto && !pays) return false;
   MAGICUBE_CHECK(slices <= 65535, "spmm: N too large");
   const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>(slices), static_cast<unsigned>(bh));
   magicube::launch_overlapped(kernel, grid, dim3(sd::kResidentThreads), static_cast<size_t>(smem), stream, p);
@@ -108,13 +120,136 @@ void launch_signed(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stre
   else launch<AB, false, BB>(p, vrows, bh, stream, fast);
 }
 
-// An integer pair: the resident-B kernel where it applies and pays, else the gather kernel.
+// The dense path (spmm_dense.cuh): the GEMM's operands, padded to kAlign rows and columns (the
+// int8 GEMM takes K and N in multiples of 8 and more than 16 rows of A).
+struct DenseShape {
+  int64_t m_pad, n_pad, k_pad, a_planes, b_planes;
+  // Each plane product stays below 2^31 in int32 (|digit| <= 128: 2^14 * K).
+  bool applies() const { return k_pad < (int64_t{1} << 17); }
+};
+
+int64_t planes(int64_t bits, bool is_signed) { return bits == 4 || (bits == 8 && is_signed) ? 1 : bits == 16 ? 3 : 2; }
+
+DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_signed, int64_t b_bits) {
+  namespace dn = magicube::spmm_dense;
+  auto pad = [](int64_t x) { return (std::max<int64_t>(x, 1) + dn::kAlign - 1) / dn::kAlign * dn::kAlign; };
+  return {std::max<int64_t>(pad(m), 2 * dn::kAlign), pad(n), pad(k), planes(a_bits, a_signed), planes(b_bits, true)};
+}
+
+// Whether the dense path is the faster one, by estimated times (us) of both ways, fitted on an H200
+// over the bench_spmm sweep's cells (M = K 512-4096, N 128-512, V 2 / 4 / 8, sparsity 0.5-0.95;
+// L8-R8, L8-R4, L4-R4, L12-R4, L16-R4, L16-R8, L16-R16; BH 1; every way forced). The gather and
+// resident-B kernels: 3.5 + the gathered MB / 6.75 (a row of B per kept vector, from L2). The dense
+// path: 9.3 + 0.59 per MB of A's planes + 1.04 per GOP of the planes' GEMM + 3.1 per million of
+// its outputs + 2.1 per million stored values (A's slots, read once per row of a vector); a GEMM
+// call of its own, about 2, per further batch x head. The dense model's median error was 7 %
+// (90th percentile 14 %), and choosing by the two estimates cost 0.26 % more time than the faster
+// way on the geometric mean over the 1260 cells (at most 26 % on one: L16-R4, M = K 2048, N 512,
+// V 2, sparsity 0.5). At M = K = 4096 the dense path was the faster one for L8-R8 at V 2 from
+// sparsity 0.8 down (0.9 at N 512), at V 4 from 0.5-0.8 down (by N) and at V 8 only for N 512 at
+// 0.5; for L16-R8, whose three planes of A triple the GEMM, only at V 2 and sparsity 0.5-0.8 with
+// N >= 256.
+bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pad) {
+  constexpr double kMega = 1e-6;
+  const double a_mb = 1.0 * d.a_planes * d.m_pad * d.k_pad * kMega;
+  const double outputs_m = 1.0 * d.a_planes * d.m_pad * d.b_planes * d.n_pad * kMega;
+  const double gemm_gop = 2e-3 * outputs_m * d.k_pad;
+  const double values_m = 1.0 * nnz_pad * p.v * kMega;
+  const double dense_us =
+      9.3 + 2.0 * (bh - 1) + bh * (0.59 * a_mb + 1.04 * gemm_gop + 3.1 * outputs_m + 2.1 * values_m);
+  const double gather_us = 3.5 + bh * nnz_pad * p.row_bytes * kMega / 6.75;
+  return dense_us < gather_us;
+}
+
+// One launch expands A's and B's planes (spmm_dense.cuh: expand_kernel).
+template <int AB, bool AS, int BB>
+void expand(const magicube::spmm_dense::ExpandParams& ep, int64_t bh, cudaStream_t stream) {
+  namespace dn = magicube::spmm_dense;
+  const int64_t strips = (ep.k_pad + ep.strip_cols - 1) / ep.strip_cols;
+  const int64_t b_tiles = static_cast<int64_t>(ep.n_tiles) * ((ep.k_pad + dn::kBTile - 1) / dn::kBTile);
+  MAGICUBE_CHECK(strips <= 65535 && ep.vrows + b_tiles <= INT32_MAX, "spmm: K, N or M too large");
+  const dim3 grid(static_cast<unsigned>(ep.vrows + b_tiles), static_cast<unsigned>(strips), static_cast<unsigned>(bh));
+  const size_t smem = std::max<size_t>(static_cast<size_t>(ep.a_planes) * ep.v * ep.strip_cols, dn::kBTileBytes);
+  dn::expand_kernel<AB, AS, BB><<<grid, dn::kExpandThreads, smem, stream>>>(ep);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The dense path's operands, where it runs.
+struct Dense {
+  DenseShape shape;
+  at::Tensor col_idx, out;
+};
+
+// A and B expanded to int8 planes, multiplied by at::_int_mm one batch x head at a time, and the
+// plane products recombined into the output.
+template <int AB, int BB>
+void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, bool a_signed, cudaStream_t stream) {
+  namespace dn = magicube::spmm_dense;
+  const DenseShape& d = dense.shape;
+  const auto bytes = dense.out.options().dtype(at::kChar);
+  at::Tensor a = at::empty({bh, d.a_planes * d.m_pad, d.k_pad}, bytes);
+  if (d.m_pad > p.m) a.view({bh, d.a_planes, d.m_pad, d.k_pad}).narrow(2, p.m, d.m_pad - p.m).zero_();
+  at::Tensor bt = at::empty({bh, d.b_planes * d.n_pad, d.k_pad}, bytes);
+  at::Tensor c = at::empty({bh, d.a_planes * d.m_pad, d.b_planes * d.n_pad}, dense.out.options().dtype(at::kInt));
+  // Columns are read four slots at a time (16 bytes).
+  const at::Tensor cols = magicube::aligned16(dense.col_idx);
+
+  dn::ExpandParams ep;
+  ep.row_ptr = p.row_ptr;
+  ep.col_idx = cols.data_ptr<int>();
+  ep.a = p.a;
+  ep.a_bh_bytes = p.a_bh_bytes;
+  ep.a_out = a.data_ptr<int8_t>();
+  ep.vrows = static_cast<int>(vrows);
+  ep.m_pad = static_cast<int>(d.m_pad);
+  ep.k_pad = static_cast<int>(d.k_pad);
+  ep.v = p.v;
+  ep.a_planes = static_cast<int>(d.a_planes);
+  ep.strip_cols = static_cast<int>(std::min<int64_t>(d.k_pad, dn::kStripBytes / (d.a_planes * p.v) / dn::kAlign *
+                                                                   dn::kAlign));
+  ep.b = p.b;
+  ep.b_bh_bytes = p.b_bh_bytes;
+  ep.row_bytes = p.row_bytes;
+  ep.b_out = bt.data_ptr<int8_t>();
+  ep.k = p.k;
+  ep.n = p.n;
+  ep.n_pad = static_cast<int>(d.n_pad);
+  ep.b_planes = static_cast<int>(d.b_planes);
+  ep.n_tiles = static_cast<int>((d.n_pad + dn::kBTile - 1) / dn::kBTile);
+  if (a_signed) expand<AB, true, BB>(ep, bh, stream);
+  else expand<AB, false, BB>(ep, bh, stream);
+
+  for (int64_t i = 0; i < bh; ++i) {
+    at::Tensor ci = c.select(0, i);
+    at::_int_mm_out(ci, a.select(0, i), bt.select(0, i).t());
+  }
+
+  dn::CombineParams cp;
+  cp.c = c.data_ptr<int>();
+  cp.out = dense.out.data_ptr();
+  cp.scale_a = p.scale_a;
+  cp.scale_b = p.scale_b;
+  cp.m = p.m;
+  cp.n = p.n;
+  cp.m_pad = static_cast<int>(d.m_pad);
+  cp.n_pad = static_cast<int>(d.n_pad);
+  cp.a_planes = static_cast<int>(d.a_planes);
+  cp.b_planes = static_cast<int>(d.b_planes);
+  cp.out_int64 = p.out_int64;
+  MAGICUBE_CHECK(bh * p.m <= INT32_MAX, "spmm: BH x M too large");
+  dn::combine_kernel<<<static_cast<unsigned>(bh * p.m), dn::kCombineThreads, 0, stream>>>(cp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// An integer pair: the dense path where `dense` says so, else the resident-B kernel where it
+// applies and pays, else the gather kernel.
 template <int AB, int BB>
 void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
-                 bool a_signed) {
+                 bool a_signed, Choice choice, const Dense* dense) {
+  if (dense) return run_dense<AB, BB>(p, *dense, vrows, bh, a_signed, stream);
   if constexpr (BB == 8 || BB == 4) {
-    const bool ran = a_signed ? launch_resident<AB, true, BB>(p, vrows, bh, nnz_pad, stream, fast)
-                              : launch_resident<AB, false, BB>(p, vrows, bh, nnz_pad, stream, fast);
+    const bool ran = a_signed ? launch_resident<AB, true, BB>(p, vrows, bh, nnz_pad, stream, fast, choice)
+                              : launch_resident<AB, false, BB>(p, vrows, bh, nnz_pad, stream, fast, choice);
     if (ran) return;
   }
   launch_signed<AB, BB>(p, vrows, bh, stream, fast, a_signed);
@@ -234,21 +369,29 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool fast = copy_bytes == 16;
+  const Choice choice = kernel_choice();
+  std::optional<Dense> dense;
+  if (!fp16) {
+    const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits);
+    if (d.applies() && (choice == Choice::kDense || (choice == Choice::kAuto && dense_pays(d, p, bh, nnz_pad))))
+      dense = Dense{d, col_idx, out};
+  }
+  const Dense* dense_call = dense ? &*dense : nullptr;
 
   if (fp16) {
     launch<0, true, 0>(p, vrows, bh, stream, fast);
   } else if (a_bits == 8 && b_bits == 8) {
-    launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, fast, a_signed);
+    launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense_call);
   } else if (a_bits == 4 && b_bits == 4) {
-    launch_pair<4, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed);
+    launch_pair<4, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense_call);
   } else if (a_bits >= 12 && b_bits == 8) {
-    launch_pair<16, 8>(p, vrows, bh, nnz_pad, stream, fast, a_signed);
+    launch_pair<16, 8>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense_call);
   } else if (a_bits >= 12 && b_bits == 16) {
-    launch_pair<16, 16>(p, vrows, bh, nnz_pad, stream, fast, a_signed);
+    launch_pair<16, 16>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense_call);
   } else if (a_bits == 8 && b_bits == 4) {
-    launch_pair<8, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed);
+    launch_pair<8, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense_call);
   } else {
-    launch_pair<16, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed);
+    launch_pair<16, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense_call);
   }
   return out;
 }

@@ -37,7 +37,7 @@ TARGET = dict(pair="L8-R8", v=8, sparsity=0.9, mk=4096, n=256)
 # The attention pipeline's P x V (B 8 x H 4, L 4096, head dim 64), where B is narrow and the
 # resident-B kernel serves: timed with each kernel forced and with the automatic choice.
 PV = dict(bh=32, mk=4096, n=64, v=8, sparsity=[0.9, 0.95], pairs=[(8, 8), (16, 8), (8, 4)])
-KERNEL_CHOICES = ("gather", "resident", "auto")
+KERNEL_CHOICES = ("gather", "resident", "dense", "auto")
 
 
 def gathered_bytes(kernel: str, m: int, k: int, n: int, v: int, density: float) -> float | None:

@@ -21,8 +21,9 @@ def main() -> int:
     extension.load("spmm")
     bad = 0
     g = torch.Generator().manual_seed(0)
-    # Both kernels: the resident-B one (8- and 4-bit B on 16-byte rows) runs here only when asked for.
-    for kernel in ("gather", "resident"):
+    # Every way: the resident-B kernel (8- and 4-bit B on 16-byte rows) and the dense path (integer
+    # operands) run on problems this small only when asked for.
+    for kernel in ("gather", "resident", "dense"):
         os.environ["MAGICUBE_SPMM_KERNEL"] = kernel
         for v in (2, 8):
             mask = random_vector_mask(5 * v, 130, v, 0.7, seed=v).mask.clone()

@@ -31,15 +31,19 @@ def kernels():
     return load_kernels("spmm")
 
 
-@pytest.fixture(autouse=True, params=["gather", "resident"])
+@pytest.fixture(autouse=True, params=["gather", "resident", "dense"])
 def spmm_kernel(request, monkeypatch):
-    """Each test of 8- or 4-bit B runs both SpMM kernels: the gather kernel, and the resident-B
-    kernel, which the automatic choice takes on narrow B. Where the resident kernel does not apply
-    (dense rows not on 16 bytes, B's slice past shared memory) the gather kernel runs."""
+    """Each test of integer operands runs every way the op computes: the gather kernel, the
+    resident-B kernel (8- or 4-bit B), which the automatic choice takes on narrow B, and the dense
+    path, which it takes at low V and sparsity. Where the one forced does not apply (the resident
+    kernel on dense rows not on 16 bytes or B's slice past shared memory, the dense path past its
+    K) the gather kernel runs."""
     callspec = getattr(request.node, "callspec", None)
     b_bits = callspec.params.get("b_bits") if callspec else None
     if request.param == "resident" and b_bits not in (8, 4):
         pytest.skip("the resident-B kernel takes 8- and 4-bit B")
+    if request.param == "dense" and b_bits is None:
+        pytest.skip("the dense path takes integer operands")
     monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", request.param)
     return request.param
 
@@ -118,6 +122,21 @@ def test_int32_overflow_long_row(kernels, a_bits, b_bits, a_signed):
     a_values, b = _inputs(p, emask, 1, k, n, a_bits, a_signed, b_bits, None, fill)
     got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64)
     assert int(want.abs().max()) > 2**31
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("a_bits, b_bits", [(8, 8)], ids=["L8-R8"])
+def test_dense_path_bound_on_k(kernels, a_bits, b_bits):
+    """K of 140000 at the extremes of int8: a plane product of the dense path would pass 2^31 in
+    its int32 GEMM, so that path must give way to a kernel that folds its sums into int64."""
+    k, n, v = 140000, 8, 2
+    mask = torch.zeros(1, k, dtype=torch.bool)
+    mask[0, 7:] = True
+    p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
+    emask = VectorMask(mask, v).to_dense()
+    a_values, b = _inputs(p, emask, 1, k, n, a_bits, True, b_bits, None, (-128, -128))
+    got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, True, b_bits, torch.int64)
+    assert int(want.min()) > 2**31
     assert torch.equal(got, want)
 
 
