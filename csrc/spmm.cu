@@ -166,9 +166,10 @@ template <int AB, bool AS, int BB>
 void expand(const magicube::spmm_dense::ExpandParams& ep, int64_t bh, cudaStream_t stream) {
   namespace dn = magicube::spmm_dense;
   const int64_t strips = (ep.k_pad + ep.strip_cols - 1) / ep.strip_cols;
-  const int64_t b_tiles = static_cast<int64_t>(ep.n_tiles) * ((ep.k_pad + dn::kBTile - 1) / dn::kBTile);
-  MAGICUBE_CHECK(strips <= 65535 && ep.vrows + b_tiles <= INT32_MAX, "spmm: K, N or M too large");
-  const dim3 grid(static_cast<unsigned>(ep.vrows + b_tiles), static_cast<unsigned>(strips), static_cast<unsigned>(bh));
+  MAGICUBE_CHECK(strips <= 65535 && static_cast<int64_t>(ep.vrows) + ep.b_tiles <= INT32_MAX,
+                 "spmm: K, N or M too large");
+  const dim3 grid(static_cast<unsigned>(ep.vrows + ep.b_tiles), static_cast<unsigned>(strips),
+                  static_cast<unsigned>(bh));
   const size_t smem = std::max<size_t>(static_cast<size_t>(ep.a_planes) * ep.v * ep.strip_cols, dn::kBTileBytes);
   dn::expand_kernel<AB, AS, BB><<<grid, dn::kExpandThreads, smem, stream>>>(ep);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -216,6 +217,9 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
   ep.n_pad = static_cast<int>(d.n_pad);
   ep.b_planes = static_cast<int>(d.b_planes);
   ep.n_tiles = static_cast<int>((d.n_pad + dn::kBTile - 1) / dn::kBTile);
+  const int64_t b_tiles = ep.n_tiles * ((d.k_pad + dn::kBTile - 1) / dn::kBTile);
+  MAGICUBE_CHECK(b_tiles <= INT32_MAX, "spmm: K or N too large");
+  ep.b_tiles = static_cast<int>(b_tiles);
   if (a_signed) expand<AB, true, BB>(ep, bh, stream);
   else expand<AB, false, BB>(ep, bh, stream);
 

@@ -81,7 +81,7 @@ struct ExpandParams {
   int64_t b_bh_bytes;
   int row_bytes;
   int8_t* b_out;         // [BH, b_planes * n_pad, k_pad]: B transposed, K contiguous, zeros past N and K
-  int k, n, n_pad, b_planes, n_tiles;
+  int k, n, n_pad, b_planes, n_tiles, b_tiles;
 };
 
 constexpr int kBTile = 64;
@@ -125,7 +125,9 @@ __device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* str
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int row = ((base + u * kExpandThreads + threadIdx.x) >> 3) & (p.v - 1);
+      const int item = base + u * kExpandThreads + threadIdx.x;
+      if (item >= items) break;
+      const int row = (item >> 3) & (p.v - 1);
       const int c[4] = {col[u].x - c0, col[u].y - c0, col[u].z - c0, col[u].w - c0};
 #pragma unroll
       for (int j = 0; j < 4; ++j)
@@ -137,14 +139,16 @@ __device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* str
   }
   __syncthreads();
 
-  const int chunks = cols / 16;
-  for (int e = threadIdx.x; e < rows * chunks; e += kExpandThreads) {
-    const int row = e / chunks, c = 16 * (e % chunks), q = row / p.v, i = row % p.v;
-    const int64_t out_row =
-        (static_cast<int64_t>(bh) * p.a_planes + q) * p.m_pad + static_cast<int64_t>(vrow) * p.v + i;
-    *reinterpret_cast<int4*>(p.a_out + out_row * p.k_pad + c0 + c) =
-        *reinterpret_cast<const int4*>(strip + row * p.strip_cols + c);
-  }
+  // Short as it is, this kernel is bound by instruction issue (at M = K = 4096 and 2 or 3 CTAs of
+  // work per SM): the loops here keep their index arithmetic out of the per-chunk path.
+  for (int q = 0; q < p.a_planes; ++q)
+    for (int i = 0; i < p.v; ++i) {
+      const int8_t* src = strip + (q * p.v + i) * p.strip_cols;
+      int8_t* dst = p.a_out + ((static_cast<int64_t>(bh) * p.a_planes + q) * p.m_pad +
+                               static_cast<int64_t>(vrow) * p.v + i) * p.k_pad + c0;
+      for (int c = 16 * threadIdx.x; c < cols; c += 16 * kExpandThreads)
+        *reinterpret_cast<int4*>(dst + c) = *reinterpret_cast<const int4*>(src + c);
+    }
 }
 
 // B's planes for one 64 x 64 tile, transposed through shared memory (the int8 GEMM takes its
@@ -178,15 +182,15 @@ __device__ __forceinline__ void b_planes_tile(const ExpandParams& p, int (*tile)
 }
 
 // Both operands' planes in one launch (a launch on its own costs about as much as this work at
-// M = K = 1024): CTAs [0, vrows) expand A's strips, the ones after B's tiles (strip 0 only).
+// M = K = 1024): the first b_tiles CTAs of strip 0 take B's tiles, the others A's strips.
 template <int AB, bool AS, int BB>
 __global__ void __launch_bounds__(kExpandThreads) expand_kernel(const ExpandParams p) {
   extern __shared__ int4 smem16[];
-  const int bh = blockIdx.z;
-  if (static_cast<int>(blockIdx.x) < p.vrows) {
-    densify_strip<AB, AS>(p, reinterpret_cast<int8_t*>(smem16), blockIdx.x, bh);
-  } else if (blockIdx.y == 0) {
-    b_planes_tile<BB>(p, reinterpret_cast<int (*)[kBTile + 1]>(smem16), blockIdx.x - p.vrows, bh);
+  const int bh = blockIdx.z, b_tiles = blockIdx.y == 0 ? p.b_tiles : 0;
+  if (static_cast<int>(blockIdx.x) < b_tiles) {
+    b_planes_tile<BB>(p, reinterpret_cast<int (*)[kBTile + 1]>(smem16), blockIdx.x, bh);
+  } else if (static_cast<int>(blockIdx.x) - b_tiles < p.vrows) {
+    densify_strip<AB, AS>(p, reinterpret_cast<int8_t*>(smem16), blockIdx.x - b_tiles, bh);
   }
 }
 
@@ -206,10 +210,10 @@ struct CombineParams {
 constexpr int kCombineThreads = 64;
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineParams p) {
   constexpr int kCols = 4;
-  const int64_t row = blockIdx.x;  // bh * M + r
-  const int64_t bh = row / p.m, r = row - bh * p.m;
+  const int row = blockIdx.x;  // bh * M + r, below 2^31 (the host checks)
+  const int bh = row / p.m, r = row - bh * p.m;
   const int64_t ld = static_cast<int64_t>(p.b_planes) * p.n_pad;
-  const int* c = p.c + (bh * p.a_planes * p.m_pad + r) * ld;
+  const int* c = p.c + (static_cast<int64_t>(bh) * p.a_planes * p.m_pad + r) * ld;
   const float sa = p.out_int64 ? 0.f : p.scale_a[row];
   for (int base = 0; base < p.n; base += kCols * kCombineThreads) {
     uint64_t acc[kCols] = {};
@@ -226,15 +230,16 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineP
 #pragma unroll
     for (int u = 0; u < kCols; ++u) {
       const int col = base + u * kCombineThreads + threadIdx.x;
-      if (!p.out_int64 && col < p.n) sb[u] = p.scale_b[bh * p.n + col];
+      if (!p.out_int64 && col < p.n) sb[u] = p.scale_b[static_cast<int64_t>(bh) * p.n + col];
     }
 #pragma unroll
     for (int u = 0; u < kCols; ++u) {
       const int col = base + u * kCombineThreads + threadIdx.x;
       if (col >= p.n) continue;
       const int64_t result = static_cast<int64_t>(acc[u]);
-      if (p.out_int64) static_cast<int64_t*>(p.out)[row * p.n + col] = result;
-      else static_cast<__half*>(p.out)[row * p.n + col] = __float2half_rn(__ll2float_rn(result) * (sa * sb[u]));
+      const int64_t e = static_cast<int64_t>(row) * p.n + col;
+      if (p.out_int64) static_cast<int64_t*>(p.out)[e] = result;
+      else static_cast<__half*>(p.out)[e] = __float2half_rn(__ll2float_rn(result) * (sa * sb[u]));
     }
   }
 }
