@@ -142,13 +142,14 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // resident-B kernels: 3.5 + the gathered MB / 6.75 (a row of B per kept vector, from L2). The dense
 // path: 9.3 + 0.59 per MB of A's planes + 1.04 per GOP of the planes' GEMM + 3.1 per million of
 // its outputs + 2.1 per million stored values (A's slots, read once per row of a vector); a GEMM
-// call of its own, about 2, per further batch x head. The dense model's median error was 7 %
-// (90th percentile 14 %), and choosing by the two estimates cost 0.26 % more time than the faster
-// way on the geometric mean over the 1260 cells (at most 26 % on one: L16-R4, M = K 2048, N 512,
-// V 2, sparsity 0.5). At M = K = 4096 the dense path was the faster one for L8-R8 at V 2 from
-// sparsity 0.8 down (0.9 at N 512), at V 4 from 0.5-0.8 down (by N) and at V 8 only for N 512 at
-// 0.5; for L16-R8, whose three planes of A triple the GEMM, only at V 2 and sparsity 0.5-0.8 with
-// N >= 256.
+// call of its own, about 2, per further batch x head. Measured again with the path as built, the
+// dense model's median error was 8 % (90th percentile 16 %), and choosing by the two estimates
+// cost 0.36 % more time than the faster way on the geometric mean over the 1260 cells, more than
+// 5 % on 28 of them, at most 35 % (L12-R4, M = K 2048, N 256, V 2, sparsity 0.5: the dense path
+// taken, the gather kernel faster). At M = K = 4096 the dense path was the faster one for L8-R8 at
+// V 2 from sparsity 0.8 down (0.9 at N 512), at V 4 from 0.5-0.8 down (by N) and at V 8 only for
+// N 512 at 0.5; for L16-R8, whose three planes of A triple the GEMM, at V 2 from 0.5-0.8 down (by
+// N) and at V 4 only for N 512 at 0.5.
 bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pad) {
   constexpr double kMega = 1e-6;
   const double a_mb = 1.0 * d.a_planes * d.m_pad * d.k_pad * kMega;
