@@ -76,18 +76,18 @@ Choice kernel_choice() {
 }
 
 // The resident-B kernel, where it applies: 8- or 4-bit B whose rows take 16-byte copies and a
-// 32-byte slice of all of B's rows fitting one CTA's shared memory. By default it runs on rows that the gather
-// kernel's narrow tile (128 bytes) holds, from a count of gathers that grows with the share of the
-// tile a row fills. The thresholds are where it paid on an H200 (8- and 4-bit B, M = K 1024-4096,
-// V 2 / 4 / 8, sparsity 0.7 / 0.9 / 0.98, both kernels forced; gathers in bytes per SM and unit of
-// V): rows of at most a quarter of the tile from 12 KB (8-bit B, N 32: 19 KB and more won, up to
-// 14.4 against 58.1 us; 8 KB and less lost, up to 4.3 against 4.0); of half a tile from 36 KB (N
-// 64: 39 KB and more won, up to 24.8 against 57.4 us; 16 KB and less lost, up to 4.4 against 3.9);
-// full tiles from 300 KB (N 128: 310 KB and more won, up to 46.0 against 56.9 us, but for one
-// cell, 413 KB at sparsity 0.9, 22.8 against 21.9). Over those cells the choice took 0-1.1 % more
-// time than the faster kernel (geometric means per pair and N). Wider rows take the gather
-// kernel's wide tile at L2 bandwidth, and the resident kernel's shared-memory gathers lose to bank
-// conflicts (N 256: 8.6 against 14.5 us at the SpMM target). Returns whether it ran.
+// 32-byte slice of all of B's rows fitting one CTA's shared memory. By default it runs on rows that
+// the gather kernel's narrow tile (128 bytes) holds, from a count of gathers that grows with the
+// share of the tile a row fills. The thresholds are where it paid on an H200 (8- and 4-bit B, M = K
+// 1024-4096, V 2 / 4 / 8, sparsity 0.7 / 0.9 / 0.98, both kernels forced; gathers in bytes per SM
+// and unit of V): rows of at most a quarter of the tile from 12 KB (8-bit B, N 32: 19 KB and more
+// won, up to 14.4 against 58.1 us; 8 KB and less lost, up to 4.3 against 4.0); of half a tile from
+// 36 KB (N 64: 39 KB and more won, up to 24.8 against 57.4 us; 16 KB and less lost, up to 4.4
+// against 3.9); full tiles from 300 KB (N 128: 310 KB and more won, up to 46.0 against 56.9 us, but
+// for one cell, 413 KB at sparsity 0.9, 22.8 against 21.9). Over those cells the choice took
+// 0-1.1 % more time than the faster kernel (geometric means per pair and N). Wider rows take the
+// gather kernel's wide tile at L2 bandwidth, and the resident kernel's shared-memory gathers lose to
+// bank conflicts (N 256: 8.6 against 14.5 us at the SpMM target). Returns whether it ran.
 template <int AB, bool AS, int BB>
 bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
                      Choice choice) {
