@@ -70,6 +70,15 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// Four 8x8 b16 matrices: lane l gives the address of row l % 8 of matrix l / 8 and gets, of
+// matrix j in register j, row l / 4, elements 2 (l % 4) and the next (bytes 4 (l % 4) to +3 on
+// 8-bit data: the m16n8k32 fragments' layout).
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
 // Four 8x8 b16 matrices, transposed on the way: lane l gets rows 2(l%4), 2(l%4)+1 of column
 // l/4 of matrix j in register j. On 8-bit data this is a transpose of byte pairs, finished by
 // one byte permute per register (see transpose_pairs).

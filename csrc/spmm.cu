@@ -120,20 +120,23 @@ void launch_signed(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stre
   else launch<AB, false, BB>(p, vrows, bh, stream, fast);
 }
 
-// The dense path (spmm_dense.cuh): the GEMM's operands, padded to kAlign rows and columns (the
-// int8 GEMM takes K and N in multiples of 8 and more than 16 rows of A).
+// The dense path (spmm_dense.cuh): the GEMM's operands, padded to kAlign rows and columns (K to
+// whole 16-byte chunks), and the largest magnitude of a byte of each operand's planes.
 struct DenseShape {
-  int64_t m_pad, n_pad, k_pad, a_planes, b_planes;
-  // Each plane product stays below 2^31 in int32 (|digit| <= 128: 2^14 * K).
-  bool applies() const { return k_pad < (int64_t{1} << 17); }
+  int64_t m_pad, n_pad, k_pad, a_planes, b_planes, a_max, b_max;
+  // Each plane product stays below 2^31 in its int32 accumulator.
+  bool applies() const { return a_max * b_max * k_pad < (int64_t{1} << 31); }
 };
-
-int64_t planes(int64_t bits, bool is_signed) { return bits == 4 || (bits == 8 && is_signed) ? 1 : bits == 16 ? 3 : 2; }
 
 DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_signed, int64_t b_bits) {
   namespace dn = magicube::spmm_dense;
   auto pad = [](int64_t x) { return (std::max<int64_t>(x, 1) + dn::kAlign - 1) / dn::kAlign * dn::kAlign; };
-  return {std::max<int64_t>(pad(m), 2 * dn::kAlign), pad(n), pad(k), planes(a_bits, a_signed), planes(b_bits, true)};
+  // A low plane is an unsigned byte (up to 255); a single plane is the value itself.
+  auto largest = [](int64_t bits, bool is_signed) {
+    return bits > 8 ? int64_t{255} : is_signed ? int64_t{1} << (bits - 1) : (int64_t{1} << bits) - 1;
+  };
+  auto planes = [](int64_t bits) { return bits > 8 ? int64_t{2} : int64_t{1}; };
+  return {pad(m), pad(n), pad(k), planes(a_bits), planes(b_bits), largest(a_bits, a_signed), largest(b_bits, true)};
 }
 
 // Whether the dense path is the faster one, by estimated times (us) of both ways, fitted on an H200
@@ -176,23 +179,38 @@ void expand(const magicube::spmm_dense::ExpandParams& ep, int64_t bh, cudaStream
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The GEMM of the planes with its recombining epilogue (spmm_dense.cuh: gemm_kernel).
+template <int AB, bool AS, int BB>
+void gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, cudaStream_t stream) {
+  namespace dn = magicube::spmm_dense;
+  using T = typename dn::DefaultGemmTile<(AB > 8 ? 2 : 1), (BB > 8 ? 2 : 1)>::type;
+  constexpr auto kernel = dn::gemm_kernel<AB, AS, BB>;
+  MAGICUBE_CHECK(T::kSmemBytes <= magicube::max_dynamic_smem<kernel>(), "spmm: the dense path's GEMM needs ",
+                 T::kSmemBytes, " bytes of shared memory a CTA, more than this GPU has");
+  const int64_t m_tiles = (gp.m_pad + T::kM - 1) / T::kM, n_tiles = (gp.n_pad + T::kN - 1) / T::kN;
+  MAGICUBE_CHECK(m_tiles <= 65535 && n_tiles <= INT32_MAX, "spmm: M or N too large");
+  // N's tiles of one row of tiles run side by side, so A's rows come from memory once, then from L2.
+  const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(m_tiles), static_cast<unsigned>(bh));
+  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(gp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // The dense path's operands, where it runs.
 struct Dense {
   DenseShape shape;
   at::Tensor col_idx, out;
 };
 
-// A and B expanded to int8 planes, multiplied by at::_int_mm one batch x head at a time, and the
-// plane products recombined into the output.
+// A and B expanded to byte planes and multiplied, the plane products recombined in the GEMM's
+// epilogue.
 template <int AB, int BB>
 void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, bool a_signed, cudaStream_t stream) {
   namespace dn = magicube::spmm_dense;
   const DenseShape& d = dense.shape;
   const auto bytes = dense.out.options().dtype(at::kChar);
+  // Pad rows past M stay unwritten: they reach only outputs that are not stored.
   at::Tensor a = at::empty({bh, d.a_planes * d.m_pad, d.k_pad}, bytes);
-  if (d.m_pad > p.m) a.view({bh, d.a_planes, d.m_pad, d.k_pad}).narrow(2, p.m, d.m_pad - p.m).zero_();
   at::Tensor bt = at::empty({bh, d.b_planes * d.n_pad, d.k_pad}, bytes);
-  at::Tensor c = at::empty({bh, d.a_planes * d.m_pad, d.b_planes * d.n_pad}, dense.out.options().dtype(at::kInt));
   // Columns are read four slots at a time (16 bytes).
   const at::Tensor cols = magicube::aligned16(dense.col_idx);
 
@@ -224,26 +242,20 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
   if (a_signed) expand<AB, true, BB>(ep, bh, stream);
   else expand<AB, false, BB>(ep, bh, stream);
 
-  for (int64_t i = 0; i < bh; ++i) {
-    at::Tensor ci = c.select(0, i);
-    at::_int_mm_out(ci, a.select(0, i), bt.select(0, i).t());
-  }
-
-  dn::CombineParams cp;
-  cp.c = c.data_ptr<int>();
-  cp.out = dense.out.data_ptr();
-  cp.scale_a = p.scale_a;
-  cp.scale_b = p.scale_b;
-  cp.m = p.m;
-  cp.n = p.n;
-  cp.m_pad = static_cast<int>(d.m_pad);
-  cp.n_pad = static_cast<int>(d.n_pad);
-  cp.a_planes = static_cast<int>(d.a_planes);
-  cp.b_planes = static_cast<int>(d.b_planes);
-  cp.out_int64 = p.out_int64;
-  MAGICUBE_CHECK(bh * p.m <= INT32_MAX, "spmm: BH x M too large");
-  dn::combine_kernel<<<static_cast<unsigned>(bh * p.m), dn::kCombineThreads, 0, stream>>>(cp);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  dn::GemmParams gp;
+  gp.a = a.data_ptr<int8_t>();
+  gp.b = bt.data_ptr<int8_t>();
+  gp.out = dense.out.data_ptr();
+  gp.scale_a = p.scale_a;
+  gp.scale_b = p.scale_b;
+  gp.m = p.m;
+  gp.n = p.n;
+  gp.m_pad = static_cast<int>(d.m_pad);
+  gp.n_pad = static_cast<int>(d.n_pad);
+  gp.k_pad = static_cast<int>(d.k_pad);
+  gp.out_int64 = p.out_int64;
+  if (a_signed) gemm<AB, true, BB>(gp, bh, stream);
+  else gemm<AB, false, BB>(gp, bh, stream);
 }
 
 // An integer pair: the dense path where `dense` says so, else the resident-B kernel where it

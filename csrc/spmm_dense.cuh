@@ -1,48 +1,49 @@
-// The dense path of magicube_cuda::spmm: the sparse operand expanded to dense int8 and multiplied
-// by cuBLAS's int8 GEMM (csrc/spmm.cu: run_dense).
+// The dense path of magicube_cuda::spmm: the sparse operand expanded to dense int8 planes and
+// multiplied by an int8 GEMM of our own (csrc/spmm.cu: run_dense).
 //
 // The SR-BCRS kernels gather, for every kept vector, its own row of B from L2: at low V and low
 // sparsity each row of B is read many times over (V 2, sparsity 0.7, M = K = 4096, N 256: 644 MB
 // of gathers for a 1 MB B), while a dense GEMM reads B once per tile of output rows. There the
-// exact integer product is cheaper as a dense one: A and B are split into int8 planes, the planes
-// multiplied in one GEMM (A's planes stacked along M, B's along N, each product < 2^31 in int32),
-// and the plane products recombined in int64 and dequantized with the gather kernel's rounding.
+// exact integer product is cheaper as a dense one: A and B are split into byte planes, every pair
+// of planes multiplied into an int32 accumulator of its own (each product < 2^31), and the plane
+// products recombined in int64 and dequantized, with the gather kernel's rounding, in the GEMM's
+// epilogue.
 //
-// Planes are balanced base-256 digits, x = sum_q d_q * 256^q with every d_q in [-128, 127], since
-// the int8 GEMM multiplies signed bytes only: one plane for signed 4- and 8-bit values and
-// unsigned 4-bit ones, two for unsigned 8-bit and signed 12-bit, three for 16-bit (the second
-// digit of 32767 is 128, which takes a third).
+// Planes are bytes, x = sum_q d_q * 256^q: the low planes unsigned (x's low bytes), the top plane
+// the rest, signed for signed x. mma.sync multiplies any mix of s8 and u8, so 4- and 8-bit values
+// take one plane and 12- and 16-bit ones two (with signed bytes only, 16-bit values took three).
 #pragma once
 
 #include <cstdint>
 #include <cuda_fp16.h>
 #include <type_traits>
 
+#include "mma.cuh"
+
 namespace magicube {
 namespace spmm_dense {
 
 constexpr int kAlign = 16;               // rows and columns of the GEMM's operands are padded to this
+constexpr int kMaxPlanes = 2;
 constexpr int kExpandThreads = 256;
 constexpr int kStripBytes = 48 << 10;    // one CTA's dense strip of A (planes x V rows x columns)
 
-// Digit q of x (see the file comment).
-__device__ __forceinline__ int8_t digit(int x, int q) {
-  for (int i = 0; i < q; ++i) x = (x - (((x + 128) & 255) - 128)) >> 8;
-  return static_cast<int8_t>(((x + 128) & 255) - 128);
+// Plane q of x, one of `planes` (see the file comment), as the byte the GEMM reads.
+__device__ __forceinline__ int8_t plane_byte(int x, int q, int planes) {
+  return static_cast<int8_t>(q + 1 < planes ? (x >> (8 * q)) & 255 : x >> (8 * q));
 }
 
-// Element e of a container of `bits`-wide values (4-bit ones two to a byte, low nibble first;
-// unsigned 16-bit ones stored as their int16 bit pattern).
-template <int BITS, bool SIGNED>
+// Element e of a container of signed `bits`-wide values (B's; 4-bit ones two to a byte, low
+// nibble first).
+template <int BITS>
 __device__ __forceinline__ int element(const uint8_t* base, int64_t e) {
   if constexpr (BITS == 4) {
     const int nibble = (base[e >> 1] >> (4 * (e & 1))) & 0xF;
-    return SIGNED ? nibble - ((nibble & 8) << 1) : nibble;
+    return nibble - ((nibble & 8) << 1);
   } else if constexpr (BITS == 8) {
-    return SIGNED ? static_cast<int>(reinterpret_cast<const int8_t*>(base)[e]) : static_cast<int>(base[e]);
+    return reinterpret_cast<const int8_t*>(base)[e];
   } else {
-    const int16_t x = reinterpret_cast<const int16_t*>(base)[e];
-    return SIGNED ? static_cast<int>(x) : static_cast<int>(static_cast<uint16_t>(x));
+    return reinterpret_cast<const int16_t*>(base)[e];
   }
 }
 
@@ -133,7 +134,8 @@ __device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* str
       for (int j = 0; j < 4; ++j)
         if (c[j] >= 0 && c[j] < cols) {
           const int value = Q::template value<AS>(x[u], j);
-          for (int q = 0; q < p.a_planes; ++q) strip[(q * p.v + row) * p.strip_cols + c[j]] = digit(value, q);
+          for (int q = 0; q < p.a_planes; ++q)
+            strip[(q * p.v + row) * p.strip_cols + c[j]] = plane_byte(value, q, p.a_planes);
         }
     }
   }
@@ -162,7 +164,7 @@ __device__ __forceinline__ void b_planes_tile(const ExpandParams& p, int (*tile)
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     const int k = k0 + tk + 4 * j, n = n0 + tn;
-    tile[tk + 4 * j][tn] = k < p.k && n < p.n ? element<BB, true>(b + static_cast<int64_t>(k) * p.row_bytes, n) : 0;
+    tile[tk + 4 * j][tn] = k < p.k && n < p.n ? element<BB>(b + static_cast<int64_t>(k) * p.row_bytes, n) : 0;
   }
   __syncthreads();
   const int n = n0 + (threadIdx.x >> 2), kq = 16 * (threadIdx.x & 3);
@@ -174,7 +176,8 @@ __device__ __forceinline__ void b_planes_tile(const ExpandParams& p, int (*tile)
       w[j] = 0;
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        w[j] |= static_cast<uint32_t>(static_cast<uint8_t>(digit(tile[kq + 4 * j + i][n - n0], q))) << (8 * i);
+        w[j] |= static_cast<uint32_t>(static_cast<uint8_t>(plane_byte(tile[kq + 4 * j + i][n - n0], q, p.b_planes)))
+                << (8 * i);
     }
     *reinterpret_cast<int4*>(p.b_out + ((static_cast<int64_t>(bh) * p.b_planes + q) * p.n_pad + n) * p.k_pad + k0 +
                              kq) = make_int4(w[0], w[1], w[2], w[3]);
@@ -194,54 +197,215 @@ __global__ void __launch_bounds__(kExpandThreads) expand_kernel(const ExpandPara
   }
 }
 
-struct CombineParams {
-  const int* c;          // [BH, a_planes * m_pad, b_planes * n_pad]: the GEMM of the planes
+// mma_16832 with the operands' signedness as arguments: in the GEMM's unrolled plane loops they are
+// constants (only the top planes carry a sign, and B's values are always signed).
+__device__ __forceinline__ void mma_planes(bool a_signed, bool b_signed, int (&c)[4], const uint32_t (&a)[4],
+                                           uint32_t b0, uint32_t b1) {
+  if (a_signed && b_signed) mma_16832<true, true>(c, a, b0, b1);
+  else if (a_signed) mma_16832<true, false>(c, a, b0, b1);
+  else if (b_signed) mma_16832<false, true>(c, a, b0, b1);
+  else mma_16832<false, false>(c, a, b0, b1);
+}
+
+struct GemmParams {
+  const int8_t* a;       // [BH, a_planes, m_pad, k_pad]
+  const int8_t* b;       // [BH, b_planes, n_pad, k_pad]
   void* out;             // [BH, M, N]: int64, or fp16
   const float* scale_a;  // [BH, M] or null
   const float* scale_b;  // [BH, N] or null
-  int m, n, m_pad, n_pad, a_planes, b_planes;
+  int m, n, m_pad, n_pad, k_pad;
   bool out_int64;
 };
 
-// One CTA per output row: out = sum over plane pairs of 256^(qa + qb) * C[qa, qb], in int64 (the
-// sum may pass 2^63 on the way, but the result fits: it is taken modulo 2^64 in unsigned
-// arithmetic), then stored as int64 or as fp16(float(acc) * (scale_a * scale_b)), the gather
-// kernel's rounding. kCols columns a thread, their loads issued together.
-constexpr int kCombineThreads = 64;
-__global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineParams p) {
-  constexpr int kCols = 4;
-  const int row = blockIdx.x;  // bh * M + r, below 2^31 (the host checks)
-  const int bh = row / p.m, r = row - bh * p.m;
-  const int64_t ld = static_cast<int64_t>(p.b_planes) * p.n_pad;
-  const int* c = p.c + (static_cast<int64_t>(bh) * p.a_planes * p.m_pad + r) * ld;
-  const float sa = p.out_int64 ? 0.f : p.scale_a[row];
-  for (int base = 0; base < p.n; base += kCols * kCombineThreads) {
-    uint64_t acc[kCols] = {};
-    float sb[kCols] = {};
-    for (int qa = 0; qa < p.a_planes; ++qa)
-      for (int qb = 0; qb < p.b_planes; ++qb) {
-        const int* plane = c + qa * p.m_pad * ld + qb * p.n_pad;
+// The GEMM: warps of a CTA in a WGM x WGN grid, each a WM x WN output tile of every plane
+// product, over K in steps of BK bytes through a ring of STAGES shared-memory stages (cp.async),
+// fragments by ldmatrix, products by mma.sync m16n8k32. One CTA holds every plane product of its
+// output tile, so the recombination happens in registers.
+template <int AP_, int BP_, int WM, int WN, int WGM, int WGN, int BK, int STAGES>
+struct GemmTile {
+  static constexpr int AP = AP_, BP = BP_, kWarpM = WM, kWarpN = WN, kBK = BK, kStages = STAGES;
+  static constexpr int kThreads = 32 * WGM * WGN;
+  static constexpr int kWarpsN = WGN;
+  static constexpr int kM = WGM * WM, kN = WGN * WN;
+  static constexpr int kRows = AP * kM + BP * kN;  // a stage's rows: A's planes, then B's
+  static constexpr int kStageBytes = kRows * BK;
+  static constexpr int kSmemBytes = STAGES * kStageBytes;
+  static constexpr int kChunks = BK / 16;                       // 16-byte chunks a row
+  static constexpr int kLoads = kRows * kChunks / kThreads;     // chunks a thread a stage
+  static_assert(kRows * kChunks % kThreads == 0 && WN % 16 == 0 && WM % 16 == 0 && BK % 32 == 0);
+  // Chunk c of row r of a stage. ldmatrix reads one chunk column of 8 consecutive rows: the
+  // swizzle puts those 8 chunks in 8 different 16-byte bank groups.
+  __device__ static __forceinline__ uint32_t swizzle(int r, int c) {
+    return r * BK + 16 * (c ^ ((r / (128 / BK)) & (kChunks - 1)));
+  }
+};
+
+// Per number of plane products, the fastest of the tiles timed on an H200 (M = K 1024-4096, N
+// 128-512; 64 accumulators a thread each): 64 x 64 for one product, 64 x 64 with 128-byte steps
+// for two, 64 x 32 for four. Larger CTA tiles (128 x 64, 128 x 128 on 8 warps), and K split
+// between the two CTAs of a cluster with the sums added through distributed shared memory, were
+// slower everywhere.
+template <int AP, int BP>
+struct DefaultGemmTile;
+template <>
+struct DefaultGemmTile<1, 1> {
+  using type = GemmTile<1, 1, 32, 32, 2, 2, 64, 4>;
+};
+template <>
+struct DefaultGemmTile<2, 1> {
+  using type = GemmTile<2, 1, 32, 32, 2, 2, 128, 3>;
+};
+template <>
+struct DefaultGemmTile<2, 2> {
+  using type = GemmTile<2, 2, 32, 16, 2, 2, 128, 4>;
+};
+
+template <int AB, bool AS, int BB, class T = typename DefaultGemmTile<(AB > 8 ? 2 : 1), (BB > 8 ? 2 : 1)>::type>
+__global__ void __launch_bounds__(T::kThreads) gemm_kernel(const GemmParams p) {
+  constexpr int AP = T::AP, BP = T::BP;
+  static_assert(AP == (AB > 8 ? 2 : 1) && BP == (BB > 8 ? 2 : 1));
+  constexpr int kMT = T::kWarpM / 16, kNT = T::kWarpN / 8;
+  extern __shared__ int4 smem16[];
+  const uint32_t smem = smem_addr(smem16);
+  const int bh = blockIdx.z, m0 = blockIdx.y * T::kM, n0 = blockIdx.x * T::kN;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wm = (warp / T::kWarpsN) * T::kWarpM, wn = (warp % T::kWarpsN) * T::kWarpN;
+
+  // Each thread copies the same chunks of every stage: their sources (null past the operand's
+  // padded rows) and offsets, computed once.
+  const int8_t* src[T::kLoads];
+  uint32_t dst[T::kLoads];
+  int chunk_k[T::kLoads];
 #pragma unroll
-        for (int u = 0; u < kCols; ++u) {
-          const int col = base + u * kCombineThreads + threadIdx.x;
-          if (col < p.n) acc[u] += static_cast<uint64_t>(static_cast<int64_t>(plane[col])) << (8 * (qa + qb));
-        }
-      }
-#pragma unroll
-    for (int u = 0; u < kCols; ++u) {
-      const int col = base + u * kCombineThreads + threadIdx.x;
-      if (!p.out_int64 && col < p.n) sb[u] = p.scale_b[static_cast<int64_t>(bh) * p.n + col];
-    }
-#pragma unroll
-    for (int u = 0; u < kCols; ++u) {
-      const int col = base + u * kCombineThreads + threadIdx.x;
-      if (col >= p.n) continue;
-      const int64_t result = static_cast<int64_t>(acc[u]);
-      const int64_t e = static_cast<int64_t>(row) * p.n + col;
-      if (p.out_int64) static_cast<int64_t*>(p.out)[e] = result;
-      else static_cast<__half*>(p.out)[e] = __float2half_rn(__ll2float_rn(result) * (sa * sb[u]));
+  for (int j = 0; j < T::kLoads; ++j) {
+    const int i = j * T::kThreads + threadIdx.x, r = i / T::kChunks, c = i % T::kChunks;
+    dst[j] = T::swizzle(r, c);
+    chunk_k[j] = 16 * c;
+    if (r < AP * T::kM) {
+      const int q = r / T::kM, row = m0 + r % T::kM;
+      src[j] = row < p.m_pad ? p.a + ((static_cast<int64_t>(bh) * AP + q) * p.m_pad + row) * p.k_pad + 16 * c : nullptr;
+    } else {
+      const int q = (r - AP * T::kM) / T::kN, col = n0 + (r - AP * T::kM) % T::kN;
+      src[j] = col < p.n_pad ? p.b + ((static_cast<int64_t>(bh) * BP + q) * p.n_pad + col) * p.k_pad + 16 * c : nullptr;
     }
   }
+  const int k_tiles = (p.k_pad + T::kBK - 1) / T::kBK;
+  auto load_stage = [&](int t) {
+    const uint32_t base = smem + (t % T::kStages) * T::kStageBytes;
+    const int k0 = t * T::kBK;
+#pragma unroll
+    for (int j = 0; j < T::kLoads; ++j) {
+      const bool ok = src[j] != nullptr && k0 + chunk_k[j] < p.k_pad;  // k_pad is a multiple of 16
+      cp_async16<false>(base + dst[j], ok ? src[j] + k0 : p.a, ok ? 16 : 0);
+    }
+  };
+
+  // Fragments: A's matrices (rows 0-7, bytes 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31) of
+  // each m16 tile; B's (cols 0-7, bytes 0-15), (0-7, 16-31), (8-15, 0-15), (8-15, 16-31) of each
+  // pair of n8 tiles. Lane l gives the address of row l % 8 of matrix l / 8: its offsets for the
+  // first 32 bytes of K; the next 32-byte steps flip bits 5 and 6 (the swizzle is an XOR).
+  uint32_t a_off[AP][kMT], b_off[BP][kNT / 2];
+#pragma unroll
+  for (int q = 0; q < AP; ++q)
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+      a_off[q][mt] = T::swizzle(q * T::kM + wm + 16 * mt + (lane & 7) + 8 * ((lane >> 3) & 1), lane >> 4);
+#pragma unroll
+  for (int q = 0; q < BP; ++q)
+#pragma unroll
+    for (int nt = 0; nt < kNT; nt += 2)
+      b_off[q][nt / 2] = T::swizzle(AP * T::kM + q * T::kN + wn + 8 * nt + (lane & 7) + 8 * (lane >> 4), (lane >> 3) & 1);
+  uint32_t af[2][AP][kMT][4], bf[2][BP][kNT][2];
+  auto load_fragments = [&](int buf, uint32_t stage, int kk) {
+#pragma unroll
+    for (int q = 0; q < AP; ++q)
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+        ldsm_x4(stage + (a_off[q][mt] ^ (32 * kk)), af[buf][q][mt][0], af[buf][q][mt][1], af[buf][q][mt][2],
+                af[buf][q][mt][3]);
+#pragma unroll
+    for (int q = 0; q < BP; ++q)
+#pragma unroll
+      for (int nt = 0; nt < kNT; nt += 2)
+        ldsm_x4(stage + (b_off[q][nt / 2] ^ (32 * kk)), bf[buf][q][nt][0], bf[buf][q][nt][1], bf[buf][q][nt + 1][0],
+                bf[buf][q][nt + 1][1]);
+  };
+
+  // The ring: tiles t + 1 .. t + kStages - 1 in flight while tile t is multiplied, and each 32-byte
+  // step's fragments loaded while the step before is multiplied (the next tile's first ones across
+  // the barrier that frees the slot of tile t).
+  constexpr int kSteps = T::kBK / 32;
+  static_assert(kSteps % 2 == 0, "a tile's steps alternate the fragment buffers, so the next tile starts on 0");
+  int acc[AP][BP][kMT][kNT][4] = {};
+#pragma unroll
+  for (int t = 0; t < T::kStages - 1; ++t) {
+    if (t < k_tiles) load_stage(t);
+    cp_async_commit();
+  }
+  cp_async_wait<T::kStages - 2>();
+  __syncthreads();
+  load_fragments(0, smem, 0);
+  for (int t = 0; t < k_tiles; ++t) {
+    // Tile t + kStages - 1 goes to the slot of tile t - 1, which every warp has finished reading.
+    if (t + T::kStages - 1 < k_tiles) load_stage(t + T::kStages - 1);
+    cp_async_commit();
+    const uint32_t stage = smem + (t % T::kStages) * T::kStageBytes;
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) {
+      const int cur = kk & 1;
+      if (kk + 1 < kSteps) {
+        load_fragments(cur ^ 1, stage, kk + 1);
+      } else {
+        cp_async_wait<T::kStages - 2>();
+        __syncthreads();  // tile t + 1 has landed; no warp reads tile t's slot after this
+        if (t + 1 < k_tiles) load_fragments(cur ^ 1, smem + ((t + 1) % T::kStages) * T::kStageBytes, 0);
+      }
+#pragma unroll
+      for (int qa = 0; qa < AP; ++qa)
+#pragma unroll
+        for (int qb = 0; qb < BP; ++qb)
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+              mma_planes(qa == AP - 1 && AS, qb == BP - 1, acc[qa][qb][mt][nt], af[cur][qa][mt], bf[cur][qb][nt][0],
+                         bf[cur][qb][nt][1]);
+    }
+  }
+
+  // out = sum over plane pairs of 256^(qa + qb) * product, in int64 (modulo 2^64 on the way, in
+  // unsigned arithmetic: the result fits), stored as int64 or as fp16(float(acc) * (scale_a *
+  // scale_b)), the gather kernel's rounding. Thread (lane / 4, lane % 4) holds rows lane / 4 and
+  // lane / 4 + 8 of each m16 tile, columns 2 (lane % 4) and the next of each n8 tile.
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = m0 + wm + 16 * mt + (lane >> 2) + 8 * h;
+      if (row >= p.m) continue;
+      const int64_t out_row = (static_cast<int64_t>(bh) * p.m + row) * p.n;
+      const float sa = p.out_int64 ? 0.f : p.scale_a[static_cast<int64_t>(bh) * p.m + row];
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = n0 + wn + 8 * nt + 2 * (lane & 3) + e;
+          if (col >= p.n) continue;
+          uint64_t sum = 0;
+#pragma unroll
+          for (int qa = 0; qa < AP; ++qa)
+#pragma unroll
+            for (int qb = 0; qb < BP; ++qb)
+              sum += static_cast<uint64_t>(static_cast<int64_t>(acc[qa][qb][mt][nt][2 * h + e])) << (8 * (qa + qb));
+          const int64_t result = static_cast<int64_t>(sum);
+          if (p.out_int64) {
+            static_cast<int64_t*>(p.out)[out_row + col] = result;
+          } else {
+            const float sb = p.scale_b[static_cast<int64_t>(bh) * p.n + col];
+            static_cast<__half*>(p.out)[out_row + col] = __float2half_rn(__ll2float_rn(result) * (sa * sb));
+          }
+        }
+    }
 }
 
 }  // namespace spmm_dense

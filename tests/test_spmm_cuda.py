@@ -125,18 +125,23 @@ def test_int32_overflow_long_row(kernels, a_bits, b_bits, a_signed):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("a_bits, b_bits", [(8, 8)], ids=["L8-R8"])
-def test_dense_path_bound_on_k(kernels, a_bits, b_bits):
-    """K of 140000 at the extremes of int8: a plane product of the dense path would pass 2^31 in
-    its int32 GEMM, so that path must give way to a kernel that folds its sums into int64."""
-    k, n, v = 140000, 8, 2
+@pytest.mark.parametrize("a_bits, b_bits, a_signed, k, fill", [
+    (8, 8, True, 140000, (-128, -128)),  # plane products of 128 x 128: past 2^31 from K = 2^17
+    (16, 16, True, 33008, (-1, -1)),     # low planes of 255 x 255: 2^31 - 1.7e6 at this K
+    (16, 16, True, 33040, (-1, -1)),     # ... and past 2^31 at this one
+    (16, 16, False, 33008, (65535, -1)),
+], ids=["L8-R8-K140000", "L16-R16-K33008", "L16-R16-K33040", "L16u-R16-K33008"])
+def test_dense_path_bound_on_k(kernels, a_bits, b_bits, a_signed, k, fill):
+    """Values whose plane products are the largest, over a K where their sum in the dense path's
+    int32 accumulators comes within reach of 2^31 or passes it: below the bound the dense path must
+    sum exactly, past it give way to a kernel that folds its sums into int64."""
+    n, v = 8, 2
     mask = torch.zeros(1, k, dtype=torch.bool)
     mask[0, 7:] = True
     p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
     emask = VectorMask(mask, v).to_dense()
-    a_values, b = _inputs(p, emask, 1, k, n, a_bits, True, b_bits, None, (-128, -128))
-    got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, True, b_bits, torch.int64)
-    assert int(want.min()) > 2**31
+    a_values, b = _inputs(p, emask, 1, k, n, a_bits, a_signed, b_bits, None, fill)
+    got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64)
     assert torch.equal(got, want)
 
 
