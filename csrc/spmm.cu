@@ -143,24 +143,26 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // over the bench_spmm sweep's cells (M = K 512-4096, N 128-512, V 2 / 4 / 8, sparsity 0.5-0.95;
 // L8-R8, L8-R4, L4-R4, L12-R4, L16-R4, L16-R8, L16-R16; BH 1; every way forced). The gather and
 // resident-B kernels: 3.5 + the gathered MB / 6.75 (a row of B per kept vector, from L2). The dense
-// path: 9.3 + 0.59 per MB of A's planes + 1.04 per GOP of the planes' GEMM + 3.1 per million of
-// its outputs + 2.1 per million stored values (A's slots, read once per row of a vector); a GEMM
-// call of its own, about 2, per further batch x head. Measured again with the path as built, the
-// dense model's median error was 8 % (90th percentile 16 %), and choosing by the two estimates
-// cost 0.36 % more time than the faster way on the geometric mean over the 1260 cells, more than
-// 5 % on 28 of them, at most 35 % (L12-R4, M = K 2048, N 256, V 2, sparsity 0.5: the dense path
-// taken, the gather kernel faster). At M = K = 4096 the dense path was the faster one for L8-R8 at
-// V 2 from sparsity 0.8 down (0.9 at N 512), at V 4 from 0.5-0.8 down (by N) and at V 8 only for
-// N 512 at 0.5; for L16-R8, whose three planes of A triple the GEMM, at V 2 from 0.5-0.8 down (by
-// N) and at V 4 only for N 512 at 0.5.
+// path: 10.4 + 0.29 per MB of A's planes + per GOP of one plane product (2 M N K) 1.57, 3.22 or
+// 4.71 for one, two or four products + 1.48 per million stored values (A's slots, read once per
+// row of a vector). The dense model's median error was 6 % (90th percentile 13 %), and choosing by
+// the two estimates cost 0.47 % more time than the faster way on the geometric mean over the 1260
+// cells, more than 5 % on 36 of them, at most 38 %. At M = K = 4096 the dense path was the faster
+// one for L8-R8 at V 2 from sparsity 0.8 down (0.9 at N 512), at V 4 from 0.5-0.8 down (by N) and
+// at V 8 only for N 512 at 0.5; for L16-R8 at V 2 from 0.7-0.8 down and at V 4 from 0.5-0.7 down
+// (N 256 and 512); for L16-R16 at V 2 from 0.8 down and at V 4 from 0.5-0.7 down. Its workspace
+// (A's planes) is capped at 1 GiB: past that the gather kernels run, slower, instead of the
+// allocator failing.
 bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pad) {
   constexpr double kMega = 1e-6;
+  constexpr int64_t kMaxWorkspace = int64_t{1} << 30;
+  if (bh * d.a_planes * d.m_pad * d.k_pad > kMaxWorkspace) return false;
   const double a_mb = 1.0 * d.a_planes * d.m_pad * d.k_pad * kMega;
-  const double outputs_m = 1.0 * d.a_planes * d.m_pad * d.b_planes * d.n_pad * kMega;
-  const double gemm_gop = 2e-3 * outputs_m * d.k_pad;
+  const double product_gop = 2e-9 * d.m_pad * d.n_pad * d.k_pad;
+  const int64_t products = d.a_planes * d.b_planes;
+  const double per_gop = products == 1 ? 1.57 : products == 2 ? 3.22 : 4.71;
   const double values_m = 1.0 * nnz_pad * p.v * kMega;
-  const double dense_us =
-      9.3 + 2.0 * (bh - 1) + bh * (0.59 * a_mb + 1.04 * gemm_gop + 3.1 * outputs_m + 2.1 * values_m);
+  const double dense_us = 10.4 + bh * (0.29 * a_mb + per_gop * product_gop + 1.48 * values_m);
   const double gather_us = 3.5 + bh * nnz_pad * p.row_bytes * kMega / 6.75;
   return dense_us < gather_us;
 }

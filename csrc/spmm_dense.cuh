@@ -241,15 +241,15 @@ struct GemmTile {
 };
 
 // Per number of plane products, the fastest of the tiles timed on an H200 (M = K 1024-4096, N
-// 128-512; 64 accumulators a thread each): 64 x 64 for one product, 64 x 64 with 128-byte steps
-// for two, 64 x 32 for four. Larger CTA tiles (128 x 64, 128 x 128 on 8 warps), and K split
-// between the two CTAs of a cluster with the sums added through distributed shared memory, were
-// slower everywhere.
+// 128-512): 64 x 64 CTA tiles for one or two products, 64 x 32 for four (64 accumulators a
+// thread), 128-byte steps. Larger CTA tiles (128 x 64, 128 x 128 on 8 warps), 64-byte steps, and
+// K split between the two CTAs of a cluster with the sums added through distributed shared
+// memory, were slower nearly everywhere.
 template <int AP, int BP>
 struct DefaultGemmTile;
 template <>
 struct DefaultGemmTile<1, 1> {
-  using type = GemmTile<1, 1, 32, 32, 2, 2, 64, 4>;
+  using type = GemmTile<1, 1, 32, 32, 2, 2, 128, 4>;
 };
 template <>
 struct DefaultGemmTile<2, 1> {
