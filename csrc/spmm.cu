@@ -120,12 +120,18 @@ void launch_signed(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stre
   else launch<AB, false, BB>(p, vrows, bh, stream, fast);
 }
 
-// The dense path (spmm_dense.cuh): the GEMM's operands, padded to kAlign rows and columns (K to
-// whole 16-byte chunks), and the largest magnitude of a byte of each operand's planes.
+// The dense path (spmm_dense.cuh): the GEMM's operands, padded to kAlign rows and columns (cuBLAS's
+// int8 GEMM takes K and N in multiples of 8 and more than 16 rows of A; ours, K in 16-byte chunks),
+// and the largest magnitude of a byte of each operand's planes.
 struct DenseShape {
   int64_t m_pad, n_pad, k_pad, a_planes, b_planes, a_max, b_max;
   // Each plane product stays below 2^31 in its int32 accumulator.
   bool applies() const { return a_max * b_max * k_pad < (int64_t{1} << 31); }
+  // One plane each, both signed bytes (A's values at most 128): cuBLAS's int8 GEMM, faster on Hopper
+  // than ours for a single product (H200, M = K = 4096: 14.4 against 19.8 us at N 256, 25.7 against
+  // 36.8 at N 512); ours takes several products in one pass (two at N 256: 31.1 us, four: 51.2)
+  // and unsigned bytes, which cuBLAS's does not.
+  bool cublas() const { return a_planes * b_planes == 1 && a_max <= 128; }
 };
 
 DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_signed, int64_t b_bits) {
@@ -136,23 +142,25 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
     return bits > 8 ? int64_t{255} : is_signed ? int64_t{1} << (bits - 1) : (int64_t{1} << bits) - 1;
   };
   auto planes = [](int64_t bits) { return bits > 8 ? int64_t{2} : int64_t{1}; };
-  return {pad(m), pad(n), pad(k), planes(a_bits), planes(b_bits), largest(a_bits, a_signed), largest(b_bits, true)};
+  return {std::max<int64_t>(pad(m), 2 * dn::kAlign), pad(n), pad(k), planes(a_bits), planes(b_bits),
+          largest(a_bits, a_signed), largest(b_bits, true)};
 }
 
 // Whether the dense path is the faster one, by estimated times (us) of both ways, fitted on an H200
 // over the bench_spmm sweep's cells (M = K 512-4096, N 128-512, V 2 / 4 / 8, sparsity 0.5-0.95;
 // L8-R8, L8-R4, L4-R4, L12-R4, L16-R4, L16-R8, L16-R16; BH 1; every way forced). The gather and
 // resident-B kernels: 3.5 + the gathered MB / 6.75 (a row of B per kept vector, from L2). The dense
-// path: 10.4 + 0.29 per MB of A's planes + per GOP of one plane product (2 M N K) 1.57, 3.22 or
-// 4.71 for one, two or four products + 1.48 per million stored values (A's slots, read once per
-// row of a vector). The dense model's median error was 6 % (90th percentile 13 %), and choosing by
-// the two estimates cost 0.47 % more time than the faster way on the geometric mean over the 1260
-// cells, more than 5 % on 36 of them, at most 38 %. At M = K = 4096 the dense path was the faster
-// one for L8-R8 at V 2 from sparsity 0.8 down (0.9 at N 512), at V 4 from 0.5-0.8 down (by N) and
-// at V 8 only for N 512 at 0.5; for L16-R8 at V 2 from 0.7-0.8 down and at V 4 from 0.5-0.7 down
-// (N 256 and 512); for L16-R16 at V 2 from 0.8 down and at V 4 from 0.5-0.7 down. Its workspace
-// (A's planes) is capped at 1 GiB: past that the gather kernels run, slower, instead of the
-// allocator failing.
+// path: 10.2 + 0.35 per MB of A's planes + 1.58 per million stored values (A's slots, read once per
+// row of a vector) + per GOP of one plane product (2 M N K) 1.45 through cuBLAS, 3.10 or 4.60 for
+// two or four products in our GEMM (1.57 for one unsigned product there, from a calibration of
+// that GEMM alone); cuBLAS's GEMM runs once per batch x head, about 2 each after the first. The
+// dense model's median error was 6 % (90th percentile 14 %), and choosing by the two estimates
+// cost 0.45 % more time than the faster way on the geometric mean over the 1260 cells, more than
+// 5 % on 33 of them, at most 38 %. At M = K = 4096 the dense path was the faster one for L8-R8 at
+// V 2 from sparsity 0.8 down (0.9 at N 512), at V 4 from 0.5-0.8 down (by N) and at V 8 only for
+// N 512 at 0.5; for L16-R8 at V 2 from 0.7-0.8 down and at V 4 from 0.5-0.7 down (N 256 and 512);
+// for L16-R16 at V 2 from 0.8 down and at V 4 from 0.5-0.7 down. Its workspace (A's planes) is
+// capped at 1 GiB: past that the gather kernels run, slower, instead of the allocator failing.
 bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pad) {
   constexpr double kMega = 1e-6;
   constexpr int64_t kMaxWorkspace = int64_t{1} << 30;
@@ -160,9 +168,10 @@ bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pa
   const double a_mb = 1.0 * d.a_planes * d.m_pad * d.k_pad * kMega;
   const double product_gop = 2e-9 * d.m_pad * d.n_pad * d.k_pad;
   const int64_t products = d.a_planes * d.b_planes;
-  const double per_gop = products == 1 ? 1.57 : products == 2 ? 3.22 : 4.71;
+  const double per_gop = d.cublas() ? 1.45 : products == 1 ? 1.57 : products == 2 ? 3.10 : 4.60;
   const double values_m = 1.0 * nnz_pad * p.v * kMega;
-  const double dense_us = 10.4 + bh * (0.29 * a_mb + per_gop * product_gop + 1.48 * values_m);
+  const double dense_us = 10.2 + (d.cublas() ? 2.0 * (bh - 1) : 0.0) +
+                          bh * (0.35 * a_mb + per_gop * product_gop + 1.58 * values_m);
   const double gather_us = 3.5 + bh * nnz_pad * p.row_bytes * kMega / 6.75;
   return dense_us < gather_us;
 }
@@ -203,8 +212,9 @@ struct Dense {
   at::Tensor col_idx, out;
 };
 
-// A and B expanded to byte planes and multiplied, the plane products recombined in the GEMM's
-// epilogue.
+// A and B expanded to byte planes and multiplied: one signed plane each by cuBLAS's int8 GEMM
+// (at::_int_mm, one batch x head at a time) and a pass that stores its products, more planes by
+// our GEMM, which recombines the plane products in its epilogue.
 template <int AB, int BB>
 void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, bool a_signed, cudaStream_t stream) {
   namespace dn = magicube::spmm_dense;
@@ -244,18 +254,32 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
   if (a_signed) expand<AB, true, BB>(ep, bh, stream);
   else expand<AB, false, BB>(ep, bh, stream);
 
+  dn::Output o;
+  o.out = dense.out.data_ptr();
+  o.scale_a = p.scale_a;
+  o.scale_b = p.scale_b;
+  o.m = p.m;
+  o.n = p.n;
+  o.out_int64 = p.out_int64;
+  if (d.cublas()) {
+    at::Tensor c = at::empty({bh, d.m_pad, d.n_pad}, dense.out.options().dtype(at::kInt));
+    for (int64_t i = 0; i < bh; ++i) {
+      at::Tensor ci = c.select(0, i);
+      at::_int_mm_out(ci, a.select(0, i), bt.select(0, i).t());
+    }
+    MAGICUBE_CHECK(bh * p.m <= INT32_MAX, "spmm: BH x M too large");
+    dn::dequantize_kernel<<<static_cast<unsigned>(bh * p.m), dn::kDequantizeThreads, 0, stream>>>(
+        c.data_ptr<int>(), static_cast<int>(d.m_pad), static_cast<int>(d.n_pad), o);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   dn::GemmParams gp;
   gp.a = a.data_ptr<int8_t>();
   gp.b = bt.data_ptr<int8_t>();
-  gp.out = dense.out.data_ptr();
-  gp.scale_a = p.scale_a;
-  gp.scale_b = p.scale_b;
-  gp.m = p.m;
-  gp.n = p.n;
   gp.m_pad = static_cast<int>(d.m_pad);
   gp.n_pad = static_cast<int>(d.n_pad);
   gp.k_pad = static_cast<int>(d.k_pad);
-  gp.out_int64 = p.out_int64;
+  gp.o = o;
   if (a_signed) gemm<AB, true, BB>(gp, bh, stream);
   else gemm<AB, false, BB>(gp, bh, stream);
 }

@@ -207,14 +207,46 @@ __device__ __forceinline__ void mma_planes(bool a_signed, bool b_signed, int (&c
   else mma_16832<false, false>(c, a, b0, b1);
 }
 
-struct GemmParams {
-  const int8_t* a;       // [BH, a_planes, m_pad, k_pad]
-  const int8_t* b;       // [BH, b_planes, n_pad, k_pad]
+// The dense path's output: the exact product as int64, or fp16(float(x) * (scale_a * scale_b)),
+// the gather kernel's rounding.
+struct Output {
   void* out;             // [BH, M, N]: int64, or fp16
   const float* scale_a;  // [BH, M] or null
   const float* scale_b;  // [BH, N] or null
-  int m, n, m_pad, n_pad, k_pad;
+  int m, n;
   bool out_int64;
+
+  __device__ __forceinline__ void store(int bh, int row, int col, int64_t x, float sa) const {
+    const int64_t e = (static_cast<int64_t>(bh) * m + row) * n + col;
+    if (out_int64) {
+      static_cast<int64_t*>(out)[e] = x;
+    } else {
+      const float sb = scale_b[static_cast<int64_t>(bh) * n + col];
+      static_cast<__half*>(out)[e] = __float2half_rn(__ll2float_rn(x) * (sa * sb));
+    }
+  }
+  __device__ __forceinline__ float row_scale(int bh, int row) const {
+    return out_int64 ? 0.f : scale_a[static_cast<int64_t>(bh) * m + row];
+  }
+};
+
+// One product of single planes, from cuBLAS's int8 GEMM ([BH, m_pad, n_pad] int32), stored: one
+// CTA per output row.
+constexpr int kDequantizeThreads = 128;
+__global__ void __launch_bounds__(kDequantizeThreads) dequantize_kernel(const int* c, int m_pad, int n_pad,
+                                                                       const Output o) {
+  const int row = blockIdx.x;  // bh * M + r, below 2^31 (the host checks)
+  const int bh = row / o.m, r = row - bh * o.m;
+  const int* c_row = c + (static_cast<int64_t>(bh) * m_pad + r) * n_pad;
+  const float sa = o.row_scale(bh, r);
+  for (int col = threadIdx.x; col < o.n; col += kDequantizeThreads) o.store(bh, r, col, c_row[col], sa);
+}
+
+struct GemmParams {
+  const int8_t* a;  // [BH, a_planes, m_pad, k_pad]
+  const int8_t* b;  // [BH, b_planes, n_pad, k_pad]
+  int m_pad, n_pad, k_pad;
+  Output o;
 };
 
 // The GEMM: warps of a CTA in a WGM x WGN grid, each a WM x WN output tile of every plane
@@ -314,7 +346,8 @@ __global__ void __launch_bounds__(T::kThreads) gemm_kernel(const GemmParams p) {
   for (int q = 0; q < BP; ++q)
 #pragma unroll
     for (int nt = 0; nt < kNT; nt += 2)
-      b_off[q][nt / 2] = T::swizzle(AP * T::kM + q * T::kN + wn + 8 * nt + (lane & 7) + 8 * (lane >> 4), (lane >> 3) & 1);
+      b_off[q][nt / 2] =
+          T::swizzle(AP * T::kM + q * T::kN + wn + 8 * nt + (lane & 7) + 8 * (lane >> 4), (lane >> 3) & 1);
   uint32_t af[2][AP][kMT][4], bf[2][BP][kNT][2];
   auto load_fragments = [&](int buf, uint32_t stage, int kk) {
 #pragma unroll
@@ -374,36 +407,28 @@ __global__ void __launch_bounds__(T::kThreads) gemm_kernel(const GemmParams p) {
   }
 
   // out = sum over plane pairs of 256^(qa + qb) * product, in int64 (modulo 2^64 on the way, in
-  // unsigned arithmetic: the result fits), stored as int64 or as fp16(float(acc) * (scale_a *
-  // scale_b)), the gather kernel's rounding. Thread (lane / 4, lane % 4) holds rows lane / 4 and
+  // unsigned arithmetic: the result fits). Thread (lane / 4, lane % 4) holds rows lane / 4 and
   // lane / 4 + 8 of each m16 tile, columns 2 (lane % 4) and the next of each n8 tile.
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = m0 + wm + 16 * mt + (lane >> 2) + 8 * h;
-      if (row >= p.m) continue;
-      const int64_t out_row = (static_cast<int64_t>(bh) * p.m + row) * p.n;
-      const float sa = p.out_int64 ? 0.f : p.scale_a[static_cast<int64_t>(bh) * p.m + row];
+      if (row >= p.o.m) continue;
+      const float sa = p.o.row_scale(bh, row);
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int col = n0 + wn + 8 * nt + 2 * (lane & 3) + e;
-          if (col >= p.n) continue;
+          if (col >= p.o.n) continue;
           uint64_t sum = 0;
 #pragma unroll
           for (int qa = 0; qa < AP; ++qa)
 #pragma unroll
             for (int qb = 0; qb < BP; ++qb)
               sum += static_cast<uint64_t>(static_cast<int64_t>(acc[qa][qb][mt][nt][2 * h + e])) << (8 * (qa + qb));
-          const int64_t result = static_cast<int64_t>(sum);
-          if (p.out_int64) {
-            static_cast<int64_t*>(p.out)[out_row + col] = result;
-          } else {
-            const float sb = p.scale_b[static_cast<int64_t>(bh) * p.n + col];
-            static_cast<__half*>(p.out)[out_row + col] = __float2half_rn(__ll2float_rn(result) * (sa * sb));
-          }
+          p.o.store(bh, row, col, static_cast<int64_t>(sum), sa);
         }
     }
 }
