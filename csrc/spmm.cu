@@ -149,14 +149,16 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // Whether the dense path is the faster one, by estimated times (us) of both ways, fitted on an H200
 // over the bench_spmm sweep's cells (M = K 512-4096, N 128-512, V 2 / 4 / 8, sparsity 0.5-0.95;
 // L8-R8, L8-R4, L4-R4, L12-R4, L16-R4, L16-R8, L16-R16; BH 1; every way forced). The gather and
-// resident-B kernels: 3.5 + the gathered MB / 6.75 (a row of B per kept vector, from L2). The dense
+// resident-B kernels: 3.5 + the gathered MB (a row of B per kept vector, from L2) over a rate that
+// grows with the row's width: 4.3 MB/us for rows of up to 64 bytes, 5.3 to 128, 6.5 to 256, 8.0
+// past (the fitted rates: 4.26, 5.28, 6.51, 7.99 at 512 bytes, 7.88 at 1 KB). The dense
 // path: 10.2 + 0.35 per MB of A's planes + 1.58 per million stored values (A's slots, read once per
 // row of a vector) + per GOP of one plane product (2 M N K) 1.45 through cuBLAS, 3.10 or 4.60 for
 // two or four products in our GEMM (1.57 for one unsigned product there, from a calibration of
 // that GEMM alone); cuBLAS's GEMM runs once per batch x head, about 2 each after the first. The
 // dense model's median error was 6 % (90th percentile 14 %), and choosing by the two estimates
-// cost 0.45 % more time than the faster way on the geometric mean over the 1260 cells, more than
-// 5 % on 33 of them, at most 38 %. At M = K = 4096 the dense path was the faster one for L8-R8 at
+// cost 0.33 % more time than the faster way on the geometric mean over the 1260 cells, more than
+// 5 % on 27 of them, at most 27 % (one rate for every width: 0.45 %, 33, 38 %). At M = K = 4096 the dense path was the faster one for L8-R8 at
 // V 2 from sparsity 0.8 down (0.9 at N 512), at V 4 from 0.5-0.8 down (by N) and at V 8 only for
 // N 512 at 0.5; for L16-R8 at V 2 from 0.7-0.8 down and at V 4 from 0.5-0.7 down (N 256 and 512);
 // for L16-R16 at V 2 from 0.8 down and at V 4 from 0.5-0.7 down. Its workspace (A's planes) is
@@ -172,7 +174,8 @@ bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pa
   const double values_m = 1.0 * nnz_pad * p.v * kMega;
   const double dense_us = 10.2 + (d.cublas() ? 2.0 * (bh - 1) : 0.0) +
                           bh * (0.35 * a_mb + per_gop * product_gop + 1.58 * values_m);
-  const double gather_us = 3.5 + bh * nnz_pad * p.row_bytes * kMega / 6.75;
+  const double rate = p.row_bytes <= 64 ? 4.3 : p.row_bytes <= 128 ? 5.3 : p.row_bytes <= 256 ? 6.5 : 8.0;
+  const double gather_us = 3.5 + bh * nnz_pad * p.row_bytes * kMega / rate;
   return dense_us < gather_us;
 }
 
