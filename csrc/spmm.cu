@@ -158,11 +158,12 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // that GEMM alone); cuBLAS's GEMM runs once per batch x head, about 2 each after the first. The
 // dense model's median error was 6 % (90th percentile 14 %), and choosing by the two estimates
 // cost 0.33 % more time than the faster way on the geometric mean over the 1260 cells, more than
-// 5 % on 27 of them, at most 27 % (one rate for every width: 0.45 %, 33, 38 %). At M = K = 4096 the dense path was the faster one for L8-R8 at
-// V 2 from sparsity 0.8 down (0.9 at N 512), at V 4 from 0.5-0.8 down (by N) and at V 8 only for
-// N 512 at 0.5; for L16-R8 at V 2 from 0.7-0.8 down and at V 4 from 0.5-0.7 down (N 256 and 512);
-// for L16-R16 at V 2 from 0.8 down and at V 4 from 0.5-0.7 down. Its workspace (A's planes) is
-// capped at 1 GiB: past that the gather kernels run, slower, instead of the allocator failing.
+// 5 % on 27 of them, at most 27 % (one rate for every width: 0.45 %, 33, 38 %). At M = K = 4096
+// the dense path was the faster one for L8-R8 at V 2 from sparsity 0.8 down (0.9 at N 512), at V 4
+// from 0.5-0.8 down (by N) and at V 8 only for N 512 at 0.5; for L16-R8 at V 2 from 0.7-0.8 down
+// and at V 4 from 0.5-0.7 down (N 256 and 512); for L16-R16 at V 2 from 0.8 down and at V 4 from
+// 0.5-0.7 down. Its workspace (A's planes) is capped at 1 GiB: past that the gather kernels run,
+// slower, instead of the allocator failing.
 bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pad) {
   constexpr double kMega = 1e-6;
   constexpr int64_t kMaxWorkspace = int64_t{1} << 30;

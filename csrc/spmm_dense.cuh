@@ -1,13 +1,14 @@
-// The dense path of magicube_cuda::spmm: the sparse operand expanded to dense int8 planes and
-// multiplied by an int8 GEMM of our own (csrc/spmm.cu: run_dense).
+// The dense path of magicube_cuda::spmm: the sparse operand expanded to dense byte planes and
+// multiplied by an int8 GEMM, cuBLAS's for one signed plane each, ours for more (csrc/spmm.cu:
+// run_dense).
 //
 // The SR-BCRS kernels gather, for every kept vector, its own row of B from L2: at low V and low
 // sparsity each row of B is read many times over (V 2, sparsity 0.7, M = K = 4096, N 256: 644 MB
 // of gathers for a 1 MB B), while a dense GEMM reads B once per tile of output rows. There the
 // exact integer product is cheaper as a dense one: A and B are split into byte planes, every pair
 // of planes multiplied into an int32 accumulator of its own (each product < 2^31), and the plane
-// products recombined in int64 and dequantized, with the gather kernel's rounding, in the GEMM's
-// epilogue.
+// products recombined in int64 and dequantized, with the gather kernel's rounding, in our GEMM's
+// epilogue (a pass of its own after cuBLAS's).
 //
 // Planes are bytes, x = sum_q d_q * 256^q: the low planes unsigned (x's low bytes), the top plane
 // the rest, signed for signed x. mma.sync multiplies any mix of s8 and u8, so 4- and 8-bit values
@@ -24,7 +25,6 @@ namespace magicube {
 namespace spmm_dense {
 
 constexpr int kAlign = 16;               // rows and columns of the GEMM's operands are padded to this
-constexpr int kMaxPlanes = 2;
 constexpr int kExpandThreads = 256;
 constexpr int kStripBytes = 48 << 10;    // one CTA's dense strip of A (planes x V rows x columns)
 
@@ -274,9 +274,10 @@ struct GemmTile {
 
 // Per number of plane products, the fastest of the tiles timed on an H200 (M = K 1024-4096, N
 // 128-512): 64 x 64 CTA tiles for one or two products, 64 x 32 for four (64 accumulators a
-// thread), 128-byte steps. Larger CTA tiles (128 x 64, 128 x 128 on 8 warps), 64-byte steps, and
-// K split between the two CTAs of a cluster with the sums added through distributed shared
-// memory, were slower nearly everywhere.
+// thread), 128-byte steps. Larger CTA tiles (128 x 64, 128 x 128), 64-byte steps, and K split
+// between the two CTAs of a cluster with the sums added through distributed shared memory, were
+// slower nearly everywhere (eval/results/kernel_checks.md, thirty-second round). One product runs
+// here only for unsigned 8-bit A: cuBLAS's GEMM is faster for one signed product.
 template <int AP, int BP>
 struct DefaultGemmTile;
 template <>
