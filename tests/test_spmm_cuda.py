@@ -125,16 +125,18 @@ def test_int32_overflow_long_row(kernels, a_bits, b_bits, a_signed):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("a_bits, b_bits, a_signed, k, fill", [
-    (8, 8, True, 140000, (-128, -128)),  # plane products of 128 x 128: past 2^31 from K = 2^17
-    (16, 16, True, 33008, (-1, -1)),     # low planes of 255 x 255: 2^31 - 1.7e6 at this K
-    (16, 16, True, 33040, (-1, -1)),     # ... and past 2^31 at this one
-    (16, 16, False, 33008, (65535, -1)),
+@pytest.mark.parametrize("a_bits, b_bits, a_signed, k, fill, past_int32", [
+    (8, 8, True, 140000, (-128, -128), True),  # plane products of 128 x 128: past 2^31 from K = 2^17
+    (16, 16, True, 33008, (-1, -1), False),    # low planes of 255 x 255: 2^31 - 1.6e6 at this K
+    (16, 16, True, 33040, (-1, -1), False),    # ... and past 2^31 at this one
+    (16, 16, False, 33008, (65535, -1), True),
 ], ids=["L8-R8-K140000", "L16-R16-K33008", "L16-R16-K33040", "L16u-R16-K33008"])
-def test_dense_path_bound_on_k(kernels, a_bits, b_bits, a_signed, k, fill):
+def test_dense_path_bound_on_k(kernels, a_bits, b_bits, a_signed, k, fill, past_int32):
     """Values whose plane products are the largest, over a K where their sum in the dense path's
     int32 accumulators comes within reach of 2^31 or passes it: below the bound the dense path must
-    sum exactly, past it give way to a kernel that folds its sums into int64."""
+    sum exactly, past it give way to a kernel that folds its sums into int64. Where the result
+    itself passes 2^31 (int8's extremes; unsigned times signed 16 bits), the int64 output is
+    checked too."""
     n, v = 8, 2
     mask = torch.zeros(1, k, dtype=torch.bool)
     mask[0, 7:] = True
@@ -142,6 +144,7 @@ def test_dense_path_bound_on_k(kernels, a_bits, b_bits, a_signed, k, fill):
     emask = VectorMask(mask, v).to_dense()
     a_values, b = _inputs(p, emask, 1, k, n, a_bits, a_signed, b_bits, None, fill)
     got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64)
+    assert (int(want.abs().max()) > 2**31) == past_int32
     assert torch.equal(got, want)
 
 
