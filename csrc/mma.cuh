@@ -137,4 +137,71 @@ __device__ __forceinline__ void mma_16816_f16(float (&c)[4], const uint32_t (&a)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// ---------------------------------------------------------------------------------------------
+// wgmma (sm_90a): a warpgroup's D(64 x N, s32) += A(64 x 32) * B(32 x N), both operands 8-bit,
+// K-major in shared memory (the only major wgmma takes for 8-bit), named by descriptors. The
+// calling code guards on __CUDA_ARCH_FEAT_SM90_ALL: these instructions exist only on sm_90a.
+
+// A descriptor of a K-major tile whose rows are 128 bytes, stored in 8-row atoms of 1024 bytes
+// with the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)); `addr` is the tile's
+// first row (atoms 1024-byte aligned), plus 32 k bytes to start at K step k. The leading offset is
+// unused by this layout; the stride (next 8 rows) is 1024 bytes.
+__device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Shared memory written by the generic proxy (cp.async included) and read next by wgmma.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Thread t of the warpgroup holds, of each n8 block j of D, d[4j], d[4j + 1] at row 16 (t / 32) +
+// (t % 32) / 4, columns 8j + 2 (t % 4) and the next, and d[4j + 2], d[4j + 3] eight rows down.
+template <int N, bool A_SIGNED, bool B_SIGNED>
+__device__ __forceinline__ void wgmma_k32(int (&d)[N / 2], uint64_t a, uint64_t b) {
+  static_assert(N == 64 || N == 128);
+#define MAGICUBE_D8(i)                                                                       \
+  "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), \
+      "+r"(d[i + 6]), "+r"(d[i + 7])
+#define MAGICUBE_WGMMA_N64(AT, BT)                                                                               \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32." AT "." BT " {"                                      \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                          \
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, 1;\n" \
+               : MAGICUBE_D8(0), MAGICUBE_D8(8), MAGICUBE_D8(16), MAGICUBE_D8(24)                                \
+               : "l"(a), "l"(b))
+#define MAGICUBE_WGMMA_N128(AT, BT)                                                                              \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.s32." AT "." BT " {"                                     \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                          \
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                \
+               "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                \
+               "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1;\n" \
+               : MAGICUBE_D8(0), MAGICUBE_D8(8), MAGICUBE_D8(16), MAGICUBE_D8(24),                               \
+                 MAGICUBE_D8(32), MAGICUBE_D8(40), MAGICUBE_D8(48), MAGICUBE_D8(56)                              \
+               : "l"(a), "l"(b))
+#define MAGICUBE_WGMMA(AT, BT)        \
+  if constexpr (N == 64) {            \
+    MAGICUBE_WGMMA_N64(AT, BT);       \
+  } else {                            \
+    MAGICUBE_WGMMA_N128(AT, BT);      \
+  }
+  if constexpr (A_SIGNED && B_SIGNED) {
+    MAGICUBE_WGMMA("s8", "s8")
+  } else if constexpr (A_SIGNED) {
+    MAGICUBE_WGMMA("s8", "u8")
+  } else if constexpr (B_SIGNED) {
+    MAGICUBE_WGMMA("u8", "s8")
+  } else {
+    MAGICUBE_WGMMA("u8", "u8")
+  }
+#undef MAGICUBE_WGMMA
+#undef MAGICUBE_WGMMA_N128
+#undef MAGICUBE_WGMMA_N64
+#undef MAGICUBE_D8
+}
+
 }  // namespace magicube

@@ -62,8 +62,9 @@ void launch(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, boo
 }
 
 // MAGICUBE_SPMM_KERNEL forces a kernel where it applies (tests, benchmarks): gather, resident
-// (the resident-B kernel) or dense (the dense path); auto, the default, lets the rules below pick.
-enum class Choice { kAuto, kGather, kResident, kDense };
+// (the resident-B kernel), dense (the dense path) or dense_wgmma (the dense path, and our GEMM on
+// wgmma wherever it runs: Hopper); auto, the default, lets the rules below pick.
+enum class Choice { kAuto, kGather, kResident, kDense, kDenseWgmma };
 
 Choice kernel_choice() {
   const char* env = std::getenv("MAGICUBE_SPMM_KERNEL");
@@ -71,7 +72,9 @@ Choice kernel_choice() {
   if (choice == "gather") return Choice::kGather;
   if (choice == "resident") return Choice::kResident;
   if (choice == "dense") return Choice::kDense;
-  MAGICUBE_CHECK(choice == "auto", "MAGICUBE_SPMM_KERNEL must be auto, gather, resident or dense, got ", choice);
+  if (choice == "dense_wgmma") return Choice::kDenseWgmma;
+  MAGICUBE_CHECK(choice == "auto", "MAGICUBE_SPMM_KERNEL must be auto, gather, resident, dense or dense_wgmma, got ",
+                 choice);
   return Choice::kAuto;
 }
 
@@ -92,7 +95,7 @@ template <int AB, bool AS, int BB>
 bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
                      Choice choice) {
   namespace sd = magicube::spmm_detail;
-  if (choice == Choice::kGather || choice == Choice::kDense || !fast) return false;
+  if (choice == Choice::kGather || choice == Choice::kDense || choice == Choice::kDenseWgmma || !fast) return false;
   constexpr auto kernel = sd::spmm_resident_kernel<AB, AS, BB>;
   const int64_t smem = (static_cast<int64_t>(p.k) + 1) * sd::kResidentSliceBytes;
   if (smem > magicube::max_dynamic_smem<kernel>()) return false;
@@ -194,26 +197,53 @@ void expand(const magicube::spmm_dense::ExpandParams& ep, int64_t bh, cudaStream
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The GEMM of the planes with its recombining epilogue (spmm_dense.cuh: gemm_kernel).
-template <int AB, bool AS, int BB>
-void gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, cudaStream_t stream) {
-  namespace dn = magicube::spmm_dense;
-  using T = typename dn::DefaultGemmTile<(AB > 8 ? 2 : 1), (BB > 8 ? 2 : 1)>::type;
-  constexpr auto kernel = dn::gemm_kernel<AB, AS, BB>;
-  MAGICUBE_CHECK(T::kSmemBytes <= magicube::max_dynamic_smem<kernel>(), "spmm: the dense path's GEMM needs ",
+// One GEMM kernel with tile T, over a grid of T's output tiles x batch x head.
+template <class T, auto Kernel>
+void launch_gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, cudaStream_t stream) {
+  MAGICUBE_CHECK(T::kSmemBytes <= magicube::max_dynamic_smem<Kernel>(), "spmm: the dense path's GEMM needs ",
                  T::kSmemBytes, " bytes of shared memory a CTA, more than this GPU has");
   const int64_t m_tiles = (gp.m_pad + T::kM - 1) / T::kM, n_tiles = (gp.n_pad + T::kN - 1) / T::kN;
   MAGICUBE_CHECK(m_tiles <= 65535 && n_tiles <= INT32_MAX, "spmm: M or N too large");
   // N's tiles of one row of tiles run side by side, so A's rows come from memory once, then from L2.
   const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(m_tiles), static_cast<unsigned>(bh));
-  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(gp);
+  Kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(gp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The GEMM of the planes with its recombining epilogue. Each SM takes in about 50 GB/s from L2
+// (H200), which bounds both GEMMs: the time is the bytes of operand tiles an SM reads, and larger
+// output tiles read fewer bytes per product but leave SMs idle when there are fewer tiles than
+// SMs. On Hopper (an sm_90a build), the wgmma GEMM's larger tile where its tiles fill 3/4 of the
+// SMs, else its smaller one where that does, else (and on other GPUs) the mma.sync GEMM's smaller
+// tile. `hopper` forces the wgmma GEMM (its smaller tile) where nothing fills the GPU.
+template <int AB, bool AS, int BB>
+void gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, cudaStream_t stream, bool force_hopper) {
+  namespace dn = magicube::spmm_dense;
+  constexpr int AP = AB > 8 ? 2 : 1, BP = BB > 8 ? 2 : 1;
+#ifdef MAGICUBE_SM90A
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  if (props->major == 9) {
+    using Large = typename dn::WgmmaTiles<AP, BP>::Large;
+    using Small = typename dn::WgmmaTiles<AP, BP>::Small;
+    const int64_t fill = props->multiProcessorCount * 3 / 4;
+    auto ctas = [&](int64_t tile_m, int64_t tile_n) {
+      return bh * ((gp.m_pad + tile_m - 1) / tile_m) * ((gp.n_pad + tile_n - 1) / tile_n);
+    };
+    if (ctas(Large::kM, Large::kN) >= fill)
+      return launch_gemm<Large, dn::wgmma_gemm_kernel<AB, AS, BB, Large>>(gp, bh, stream);
+    if (force_hopper || ctas(Small::kM, Small::kN) >= fill)
+      return launch_gemm<Small, dn::wgmma_gemm_kernel<AB, AS, BB, Small>>(gp, bh, stream);
+  }
+#endif
+  using T = typename dn::DefaultGemmTile<AP, BP>::type;
+  launch_gemm<T, dn::gemm_kernel<AB, AS, BB, T>>(gp, bh, stream);
 }
 
 // The dense path's operands, where it runs.
 struct Dense {
   DenseShape shape;
   at::Tensor col_idx, out;
+  bool hopper;  // our GEMM on wgmma (its smaller tile) even where its tiles do not fill the GPU
 };
 
 // A and B expanded to byte planes and multiplied: one signed plane each by cuBLAS's int8 GEMM
@@ -284,8 +314,8 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
   gp.n_pad = static_cast<int>(d.n_pad);
   gp.k_pad = static_cast<int>(d.k_pad);
   gp.o = o;
-  if (a_signed) gemm<AB, true, BB>(gp, bh, stream);
-  else gemm<AB, false, BB>(gp, bh, stream);
+  if (a_signed) gemm<AB, true, BB>(gp, bh, stream, dense.hopper);
+  else gemm<AB, false, BB>(gp, bh, stream, dense.hopper);
 }
 
 // An integer pair: the dense path where `dense` says so, else the resident-B kernel where it
@@ -420,8 +450,9 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   std::optional<Dense> dense;
   if (!fp16) {
     const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits);
-    if (d.applies() && (choice == Choice::kDense || (choice == Choice::kAuto && dense_pays(d, p, bh, nnz_pad))))
-      dense = Dense{d, col_idx, out};
+    const bool forced = choice == Choice::kDense || choice == Choice::kDenseWgmma;
+    if (d.applies() && (forced || (choice == Choice::kAuto && dense_pays(d, p, bh, nnz_pad))))
+      dense = Dense{d, col_idx, out, choice == Choice::kDenseWgmma};
   }
   const Dense* dense_call = dense ? &*dense : nullptr;
 

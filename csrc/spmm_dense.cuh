@@ -434,5 +434,167 @@ __global__ void __launch_bounds__(T::kThreads) gemm_kernel(const GemmParams p) {
     }
 }
 
+// wgmma_k32 with the operands' signedness as arguments (constants in the unrolled plane loops).
+template <int N>
+__device__ __forceinline__ void wgmma_planes(bool a_signed, bool b_signed, int (&d)[N / 2], uint64_t a, uint64_t b) {
+  if (a_signed && b_signed) wgmma_k32<N, true, true>(d, a, b);
+  else if (a_signed) wgmma_k32<N, true, false>(d, a, b);
+  else if (b_signed) wgmma_k32<N, false, true>(d, a, b);
+  else wgmma_k32<N, false, false>(d, a, b);
+}
+
+// The accumulators of wgmmas in flight must stay in their registers: an empty asm that reads and
+// writes each one keeps the compiler from moving them (or sharing one zero among several) across
+// the asynchronous section, which would make ptxas serialize the wgmmas.
+template <int A, int B, int N>
+__device__ __forceinline__ void keep_in_place(int (&acc)[A][B][N]) {
+#pragma unroll
+  for (int a = 0; a < A; ++a)
+#pragma unroll
+    for (int b = 0; b < B; ++b)
+#pragma unroll
+      for (int i = 0; i < N; ++i) asm volatile("" : "+r"(acc[a][b][i])::"memory");
+}
+
+// The GEMM on Hopper: WGS warpgroups, each 64 rows x N columns of every plane product by wgmma
+// from shared memory, over K in 128-byte steps (one swizzle row) through a ring of STAGES stages
+// filled by cp.async from every thread.
+template <int AP_, int BP_, int WGS, int BN, int STAGES>
+struct WgmmaTile {
+  static constexpr int AP = AP_, BP = BP_, kN = BN, kStages = STAGES;
+  static constexpr int kThreads = 128 * WGS, kM = 64 * WGS, kBK = 128;
+  static constexpr int kRows = AP * kM + BP * kN;  // a stage's rows: A's planes, then B's
+  static constexpr int kStageBytes = kRows * kBK;
+  static constexpr int kSmemBytes = STAGES * kStageBytes + 1024;  // and the atoms' 1024-byte alignment
+  static constexpr int kLoads = kRows * (kBK / 16) / kThreads;    // 16-byte chunks a thread a stage
+  static_assert(kRows * (kBK / 16) % kThreads == 0 && STAGES >= 3 && (BN == 64 || BN == 128));
+};
+
+template <int AB, bool AS, int BB, class T>
+__global__ void __launch_bounds__(T::kThreads) wgmma_gemm_kernel(const GemmParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int AP = T::AP, BP = T::BP, kN = T::kN, kS = T::kStages;
+  static_assert(AP == (AB > 8 ? 2 : 1) && BP == (BB > 8 ? 2 : 1));
+  extern __shared__ int4 smem16[];
+  const uint32_t smem = (smem_addr(smem16) + 1023) & ~1023u;
+  const int bh = blockIdx.z, m0 = blockIdx.y * T::kM, n0 = blockIdx.x * kN;
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+
+  // Each thread copies chunk c = threadIdx.x % 8 of rows r = threadIdx.x / 8 + j kThreads / 8 of
+  // every stage (kThreads / 8 is a multiple of 8, so r % 8 is the same for every j): their sources
+  // (null past the operand's padded rows), computed once. Chunk c of row r lands at chunk
+  // c ^ (r % 8), the layout wgmma_desc names.
+  constexpr int kRowsApart = T::kThreads / 8;
+  const int chunk = threadIdx.x & 7, r0 = threadIdx.x >> 3;
+  const uint32_t dst0 = r0 * T::kBK + 16 * (chunk ^ (r0 & 7));
+  const int8_t* src[T::kLoads];
+#pragma unroll
+  for (int j = 0; j < T::kLoads; ++j) {
+    const int r = r0 + j * kRowsApart;
+    if (r < AP * T::kM) {
+      const int q = r / T::kM, row = m0 + r % T::kM;
+      src[j] = row < p.m_pad ? p.a + ((static_cast<int64_t>(bh) * AP + q) * p.m_pad + row) * p.k_pad + 16 * chunk
+                             : nullptr;
+    } else {
+      const int q = (r - AP * T::kM) / kN, col = n0 + (r - AP * T::kM) % kN;
+      src[j] = col < p.n_pad ? p.b + ((static_cast<int64_t>(bh) * BP + q) * p.n_pad + col) * p.k_pad + 16 * chunk
+                             : nullptr;
+    }
+  }
+  const int k_tiles = (p.k_pad + T::kBK - 1) / T::kBK;
+  auto load_stage = [&](int t) {
+    const uint32_t base = smem + (t % kS) * T::kStageBytes + dst0;
+    const int k0 = t * T::kBK;
+    const bool in_k = k0 + 16 * chunk < p.k_pad;  // k_pad is a multiple of 16
+#pragma unroll
+    for (int j = 0; j < T::kLoads; ++j) {
+      const bool ok = in_k && src[j] != nullptr;
+      cp_async16<false>(base + j * kRowsApart * T::kBK, ok ? src[j] + k0 : p.a, ok ? 16 : 0);
+    }
+  };
+
+  // The ring: tile t is multiplied while tiles t + 1 .. t + kS - 2 are in flight; the slot that
+  // tile t + kS - 2 takes is tile t - 2's, whose wgmmas every warpgroup has waited for before the
+  // barrier (tile t - 1's may still run).
+  int acc[AP][BP][kN / 2] = {};
+#pragma unroll
+  for (int t = 0; t < kS - 2; ++t) {
+    if (t < k_tiles) load_stage(t);
+    cp_async_commit();
+  }
+  for (int t = 0; t < k_tiles; ++t) {
+    cp_async_wait<kS - 3>();
+    fence_proxy_async();
+    __syncthreads();
+    if (t + kS - 2 < k_tiles) load_stage(t + kS - 2);
+    cp_async_commit();
+    const uint32_t stage = smem + (t % kS) * T::kStageBytes;
+    keep_in_place(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < T::kBK / 32; ++kk)
+#pragma unroll
+      for (int qa = 0; qa < AP; ++qa)
+#pragma unroll
+        for (int qb = 0; qb < BP; ++qb)
+          wgmma_planes<kN>(qa == AP - 1 && AS, qb == BP - 1, acc[qa][qb],
+                           wgmma_desc(stage + (qa * T::kM + 64 * wg) * T::kBK + 32 * kk),
+                           wgmma_desc(stage + (AP * T::kM + qb * kN) * T::kBK + 32 * kk));
+    wgmma_commit();
+    keep_in_place(acc);
+    wgmma_wait<1>();
+  }
+  wgmma_wait<0>();
+  keep_in_place(acc);
+
+  // out = sum over plane pairs of 256^(qa + qb) * product, in int64 (see gemm_kernel).
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = m0 + 64 * wg + 16 * warp + (lane >> 2) + 8 * h;
+    if (row >= p.o.m) continue;
+    const float sa = p.o.row_scale(bh, row);
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = n0 + 8 * j + 2 * (lane & 3) + e;
+        if (col >= p.o.n) continue;
+        uint64_t sum = 0;
+#pragma unroll
+        for (int qa = 0; qa < AP; ++qa)
+#pragma unroll
+          for (int qb = 0; qb < BP; ++qb)
+            sum += static_cast<uint64_t>(static_cast<int64_t>(acc[qa][qb][4 * j + 2 * h + e])) << (8 * (qa + qb));
+        p.o.store(bh, row, col, static_cast<int64_t>(sum), sa);
+      }
+  }
+#else
+  __trap();  // built without sm_90a: the host launches this kernel only where the build has it
+#endif
+}
+
+// Per number of plane products, the wgmma GEMM's two tiles (rows x columns of output), the fastest
+// of those timed on an H200 (M = K 1024-4096, N 128-512) where their tiles fill the SMs: one or two
+// products 128 x 128 (64 or 128 accumulators a thread) and 128 x 64 or 64 x 128, four products
+// 128 x 64 and 64 x 64 (128 and 64 accumulators); 4 stages, 6 for the one-warpgroup tiles of 32 KB
+// stages (4 and 6 timed within 1 us of each other, and 6 no faster for the larger tiles).
+template <int AP, int BP>
+struct WgmmaTiles;
+template <>
+struct WgmmaTiles<1, 1> {
+  using Large = WgmmaTile<1, 1, 2, 128, 4>;
+  using Small = WgmmaTile<1, 1, 2, 64, 4>;
+};
+template <>
+struct WgmmaTiles<2, 1> {
+  using Large = WgmmaTile<2, 1, 2, 128, 4>;
+  using Small = WgmmaTile<2, 1, 1, 128, 6>;
+};
+template <>
+struct WgmmaTiles<2, 2> {
+  using Large = WgmmaTile<2, 2, 2, 64, 4>;
+  using Small = WgmmaTile<2, 2, 1, 64, 6>;
+};
+
 }  // namespace spmm_dense
 }  // namespace magicube

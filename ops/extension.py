@@ -47,8 +47,11 @@ def toolchain() -> str | None:
 
 
 def _arch_flags() -> list[str]:
-    archs = os.environ.get("MAGICUBE_CUDA_ARCHS", ",".join(DEFAULT_ARCHS)).replace(";", ",").split(",")
-    return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in (x.strip() for x in archs) if a]
+    chosen = os.environ.get("MAGICUBE_CUDA_ARCHS", ",".join(DEFAULT_ARCHS))
+    archs = [a.strip() for a in chosen.replace(";", ",").split(",")]
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a]
+    # The host code launches wgmma kernels on Hopper only where the build holds their sm_90a code.
+    return flags + ["-DMAGICUBE_SM90A"] if "90a" in archs else flags
 
 
 def _include_paths() -> list[str]:

@@ -11,10 +11,31 @@ import sys
 
 import torch
 
-from magicube.ops import SRBCRS, extension, random_vector_mask, to_container
+from magicube.ops import SRBCRS, VectorMask, extension, random_vector_mask, to_container
 
 KINDS = [(8, 8, True), (8, 8, False), (4, 4, True), (16, 8, False), (16, 16, True), (8, 4, True), (16, 4, False),
          (12, 4, True)]
+
+
+def check(g, p, emask, bh, k, n, v, a_bits, b_bits, a_signed) -> bool:
+    """One launch against the reference; True where they agree."""
+    cuda = p.to("cuda")
+    if a_bits == 0:
+        a = (torch.randn(bh, p.m, k, generator=g) * emask).half()
+        b = torch.randn(bh, k, n, generator=g).half()
+        args = (p.pack_values(a), b, None, None, v, p.m, 16, True, 16, torch.float16)
+    else:
+        lo, hi = (-(1 << (a_bits - 1)), 1 << (a_bits - 1)) if a_signed else (0, 1 << a_bits)
+        a = torch.randint(lo, hi, (bh, p.m, k), generator=g) * emask
+        b = torch.randint(-(1 << (b_bits - 1)), 1 << (b_bits - 1), (bh, k, n), generator=g)
+        args = (to_container(p.pack_values(a), a_bits, a_signed), to_container(b, b_bits), None, None, v, p.m, a_bits,
+                a_signed, b_bits, torch.int64)
+    dev = [x.cuda() if isinstance(x, torch.Tensor) else x for x in args]
+    got = torch.ops.magicube_cuda.spmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev).cpu()
+    want = torch.ops.magicube.spmm(p.row_ptr, p.col_idx, p.row_order, *args)
+    if a_bits == 0:
+        return torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    return torch.equal(got, want)
 
 
 def main() -> int:
@@ -22,42 +43,34 @@ def main() -> int:
     bad = 0
     g = torch.Generator().manual_seed(0)
     # Every way: the resident-B kernel (8- and 4-bit B on 16-byte rows) and the dense path (integer
-    # operands) run on problems this small only when asked for.
-    for kernel in ("gather", "resident", "dense"):
+    # operands) run on problems this small only when asked for; on Hopper also the dense path with
+    # its wgmma GEMM, whose smaller tile runs here when forced and its larger one on the batched
+    # problem at the end (12 x 3 x 3 tiles).
+    kernels = ["gather", "resident", "dense"]
+    if torch.cuda.get_device_capability()[0] == 9:
+        kernels.append("dense_wgmma")
+    for kernel in kernels:
         os.environ["MAGICUBE_SPMM_KERNEL"] = kernel
         for v in (2, 8):
             mask = random_vector_mask(5 * v, 130, v, 0.7, seed=v).mask.clone()
             mask[0] = False
             mask[2] = True
-            from magicube.ops import VectorMask
-
             vm = VectorMask(mask, v)
             p = SRBCRS.from_mask(vm, stride=32)
-            cuda = p.to("cuda")
-            emask = vm.to_dense()
             # N = 36: misaligned rows (generic copies); N = 48: the narrow tile (8- and 16-bit B);
             # N = 144: 16-byte copies with a partial tile.
             for n in (36, 48, 144):
                 for a_bits, b_bits, a_signed in KINDS + [(0, 0, True)]:
-                    bh = 2
-                    if a_bits == 0:
-                        a = (torch.randn(bh, p.m, 130, generator=g) * emask).half()
-                        b = torch.randn(bh, 130, n, generator=g).half()
-                        args = (p.pack_values(a), b, None, None, v, p.m, 16, True, 16, torch.float16)
-                    else:
-                        lo, hi = (-(1 << (a_bits - 1)), 1 << (a_bits - 1)) if a_signed else (0, 1 << a_bits)
-                        a = torch.randint(lo, hi, (bh, p.m, 130), generator=g) * emask
-                        b = torch.randint(-(1 << (b_bits - 1)), 1 << (b_bits - 1), (bh, 130, n), generator=g)
-                        args = (to_container(p.pack_values(a), a_bits, a_signed), to_container(b, b_bits), None, None, v,
-                                p.m, a_bits, a_signed, b_bits, torch.int64)
-                    dev = [x.cuda() if isinstance(x, torch.Tensor) else x for x in args]
-                    got = torch.ops.magicube_cuda.spmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev).cpu()
-                    want = torch.ops.magicube.spmm(p.row_ptr, p.col_idx, p.row_order, *args)
-                    ok = torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2) if a_bits == 0 else \
-                        torch.equal(got, want)
-                    if not ok:
+                    if not check(g, p, vm.to_dense(), 2, 130, n, v, a_bits, b_bits, a_signed):
                         bad += 1
                         print(f"MISMATCH {kernel} v={v} n={n} a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
+    os.environ["MAGICUBE_SPMM_KERNEL"] = "dense"
+    vm = random_vector_mask(300, 160, 4, 0.5, seed=3)
+    p = SRBCRS.from_mask(vm, stride=32)
+    for a_bits, b_bits, a_signed in KINDS:
+        if not check(g, p, vm.to_dense(), 12, 160, 300, 4, a_bits, b_bits, a_signed):
+            bad += 1
+            print(f"MISMATCH dense, batched: a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
     torch.cuda.synchronize()
     print("sanitize_spmm:", "ok" if not bad else f"{bad} mismatches")
     return 1 if bad else 0

@@ -31,19 +31,26 @@ def kernels():
     return load_kernels("spmm")
 
 
-@pytest.fixture(autouse=True, params=["gather", "resident", "dense"])
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.fixture(autouse=True, params=["gather", "resident", "dense", "dense_wgmma"])
 def spmm_kernel(request, monkeypatch):
     """Each test of integer operands runs every way the op computes: the gather kernel, the
     resident-B kernel (8- or 4-bit B), which the automatic choice takes on narrow B, and the dense
-    path, which it takes at low V and sparsity. Where the one forced does not apply (the resident
-    kernel on dense rows not on 16 bytes or B's slice past shared memory, the dense path past its
-    K) the gather kernel runs."""
+    path, which it takes at low V and sparsity, with its GEMM chosen by size (on problems this
+    small the mma.sync one) and, on Hopper, with the wgmma GEMM forced. Where the one forced does
+    not apply (the resident kernel on dense rows not on 16 bytes or B's slice past shared memory,
+    the dense path past its K) the gather kernel runs."""
     callspec = getattr(request.node, "callspec", None)
     b_bits = callspec.params.get("b_bits") if callspec else None
     if request.param == "resident" and b_bits not in (8, 4):
         pytest.skip("the resident-B kernel takes 8- and 4-bit B")
-    if request.param == "dense" and b_bits is None:
+    if request.param.startswith("dense") and b_bits is None:
         pytest.skip("the dense path takes integer operands")
+    if request.param == "dense_wgmma" and not _hopper():
+        pytest.skip("the wgmma GEMM runs on Hopper")
     monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", request.param)
     return request.param
 
@@ -92,6 +99,23 @@ def test_integer_exact(kernels, a_bits, b_bits, a_signed, v):
         got, want = _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, torch.float16)
         assert got.dtype == torch.float16
         assert torch.equal(got, want), f"shape {(bh, rows * v, k, n)}: fp16 output differs"
+
+
+@pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
+def test_dense_gemm_large_tiles(kernels, a_bits, b_bits, a_signed):
+    """Enough batch x heads that the dense path's wgmma GEMM takes its larger tile on Hopper (its
+    128 x 128 or 128 x 64 tiles fill 3/4 of the SMs: 12 x 3 x 3 of them here), M, N and K
+    multiples of no tile; the GEMM's last K step partly past K. Under the other ways, one more
+    batched problem."""
+    bh, rows, k, n, v = 12, 75, 160, 300, 4
+    g = torch.Generator().manual_seed(7)
+    p, emask = problem(bh, rows, k, v, 0.5, seed=11)
+    a_values, b = _inputs(p, emask, bh, k, n, a_bits, a_signed, b_bits, g)
+    got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64)
+    assert torch.equal(got, want), f"{(got != want).sum()} mismatches"
+    sa, sb = _scales(bh, p.m, n, g, a_bits, b_bits)
+    got, want = _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, torch.float16)
+    assert torch.equal(got, want), "fp16 output differs"
 
 
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
