@@ -2,8 +2,9 @@
 //
 // Hopper has no int4 tensor cores (ptxas lowers int4 mma.sync to int8 IMMA plus unpacking, and
 // wgmma rejects int4), and the int8 m16n8k32 shape runs at 2.7x the paper's m8n8k16. So every
-// integer product here is an m16n8k32 on 8-bit operands: 16-bit data is split into bit planes
-// (signed high byte, unsigned low byte) and 4-bit data is widened in registers.
+// integer product here is an m16n8k32 (or, in the SpMM's dense GEMM on Hopper, a wgmma m64nNk32) on
+// 8-bit operands: 16-bit data is split into bit planes (signed high byte, unsigned low byte) and
+// 4-bit data is widened in registers.
 #pragma once
 
 #include <cstdint>

@@ -123,21 +123,53 @@ void launch_signed(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stre
   else launch<AB, false, BB>(p, vrows, bh, stream, fast);
 }
 
+// Which of our GEMMs multiplies the planes where cuBLAS's does not (gemm_for).
+enum class Gemm { kMma, kWgmmaLarge, kWgmmaSmall };
+
 // The dense path (spmm_dense.cuh): the GEMM's operands, padded to kAlign rows and columns (cuBLAS's
 // int8 GEMM takes K and N in multiples of 8 and more than 16 rows of A; ours, K in 16-byte chunks),
-// and the largest magnitude of a byte of each operand's planes.
+// the largest magnitude of a byte of each operand's planes, and our GEMM.
 struct DenseShape {
   int64_t m_pad, n_pad, k_pad, a_planes, b_planes, a_max, b_max;
+  Gemm gemm;
   // Each plane product stays below 2^31 in its int32 accumulator.
   bool applies() const { return a_max * b_max * k_pad < (int64_t{1} << 31); }
-  // One plane each, both signed bytes (A's values at most 128): cuBLAS's int8 GEMM, faster on Hopper
-  // than ours for a single product (H200, M = K = 4096: 14.4 against 19.8 us at N 256, 25.7 against
-  // 36.8 at N 512); ours takes several products in one pass (two at N 256: 31.1 us, four: 51.2)
+  // One plane each, both signed bytes (A's values at most 128): cuBLAS's int8 GEMM, as fast on
+  // Hopper as ours for a single product where our larger tile does not fill the GPU (H200, M = K =
+  // 4096, N 256: 14.4 us and a pass to store its products, against 16.5 us for ours) and faster
+  // below; where it does, ours (N 512: 23.6 against 25.8 us and the pass; and one launch for every
+  // batch x head). Ours takes several products in one pass (two at N 256: 21.2 us, four: 33.7)
   // and unsigned bytes, which cuBLAS's does not.
-  bool cublas() const { return a_planes * b_planes == 1 && a_max <= 128; }
+  bool cublas() const { return a_planes * b_planes == 1 && a_max <= 128 && gemm != Gemm::kWgmmaLarge; }
 };
 
-DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_signed, int64_t b_bits) {
+// Each SM takes in about 50 GB/s from L2 (H200), which bounds both of our GEMMs: their time is the
+// bytes of operand tiles an SM reads, and larger output tiles read fewer bytes per product but
+// leave SMs idle where there are fewer tiles than SMs. On Hopper (in an sm_90a build), the wgmma
+// GEMM's larger tile where its tiles fill 3/4 of the SMs, else its smaller one where that does,
+// else (and on other GPUs) the mma.sync GEMM; `force_wgmma` takes the wgmma GEMM's smaller tile
+// there instead (tests).
+template <int AP, int BP>
+Gemm pick_gemm(int64_t m_pad, int64_t n_pad, int64_t bh, bool force_wgmma) {
+#ifdef MAGICUBE_SM90A
+  namespace dn = magicube::spmm_dense;
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  if (props->major == 9) {
+    using Large = typename dn::WgmmaTiles<AP, BP>::Large;
+    using Small = typename dn::WgmmaTiles<AP, BP>::Small;
+    const int64_t fill = props->multiProcessorCount * 3 / 4;
+    auto ctas = [&](int64_t tile_m, int64_t tile_n) {
+      return bh * ((m_pad + tile_m - 1) / tile_m) * ((n_pad + tile_n - 1) / tile_n);
+    };
+    if (ctas(Large::kM, Large::kN) >= fill) return Gemm::kWgmmaLarge;
+    if (force_wgmma || ctas(Small::kM, Small::kN) >= fill) return Gemm::kWgmmaSmall;
+  }
+#endif
+  return Gemm::kMma;
+}
+
+DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_signed, int64_t b_bits, int64_t bh,
+                       bool force_wgmma) {
   namespace dn = magicube::spmm_dense;
   auto pad = [](int64_t x) { return (std::max<int64_t>(x, 1) + dn::kAlign - 1) / dn::kAlign * dn::kAlign; };
   // A low plane is an unsigned byte (up to 255); a single plane is the value itself.
@@ -145,8 +177,12 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
     return bits > 8 ? int64_t{255} : is_signed ? int64_t{1} << (bits - 1) : (int64_t{1} << bits) - 1;
   };
   auto planes = [](int64_t bits) { return bits > 8 ? int64_t{2} : int64_t{1}; };
-  return {std::max<int64_t>(pad(m), 2 * dn::kAlign), pad(n), pad(k), planes(a_bits), planes(b_bits),
-          largest(a_bits, a_signed), largest(b_bits, true)};
+  DenseShape d{std::max<int64_t>(pad(m), 2 * dn::kAlign), pad(n), pad(k), planes(a_bits), planes(b_bits),
+               largest(a_bits, a_signed), largest(b_bits, true), Gemm::kMma};
+  d.gemm = d.a_planes == 1 ? pick_gemm<1, 1>(d.m_pad, d.n_pad, bh, force_wgmma)
+           : d.b_planes == 1 ? pick_gemm<2, 1>(d.m_pad, d.n_pad, bh, force_wgmma)
+                             : pick_gemm<2, 2>(d.m_pad, d.n_pad, bh, force_wgmma);
+  return d;
 }
 
 // Whether the dense path is the faster one, by estimated times (us) of both ways, fitted on an H200
@@ -156,13 +192,17 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // grows with the row's width: 4.3 MB/us for rows of up to 64 bytes, 5.3 to 128, 6.5 to 256, 8.0
 // past (the fitted rates: 4.26, 5.28, 6.51, 7.99 at 512 bytes, 7.88 at 1 KB). The dense
 // path: 10.2 + 0.35 per MB of A's planes + 1.58 per million stored values (A's slots, read once per
-// row of a vector) + per GOP of one plane product (2 M N K) 1.45 through cuBLAS, 3.10 or 4.60 for
-// two or four products in our GEMM (1.57 for one unsigned product there, from a calibration of
-// that GEMM alone); cuBLAS's GEMM runs once per batch x head, about 2 each after the first. The
-// dense model's median error was 6 % (90th percentile 14 %), and choosing by the two estimates
-// cost 0.33 % more time than the faster way on the geometric mean over the 1260 cells, more than
-// 5 % on 27 of them, at most 27 % (one rate for every width: 0.45 %, 33, 38 %). At M = K = 4096
-// the dense path was the faster one for L8-R8 at V 2 from sparsity 0.8 down (0.9 at N 512), at V 4
+// row of a vector) + per GOP of one plane product (2 M N K) 1.45 through cuBLAS; in our GEMM, on
+// mma.sync 3.10 or 4.60 for two or four products, on wgmma 1.9 or 3.2 (refitted over the 720
+// cells of the four pairs of 12- and 16-bit A with the wgmma GEMM in; per tile 1.91 and 1.95, 3.27
+// and 2.50); one unsigned product 1.57 on mma.sync, 1.2 on wgmma (calibrations of those GEMMs
+// alone: the wgmma one took 0.68-0.84 of the other's time where it runs). cuBLAS's GEMM runs once
+// per batch x head, about 2 each after the first. The dense model's median error was 6 % (90th
+// percentile 14 %), and choosing by the two estimates cost 0.33 % more time than the faster way on
+// the geometric mean over the 1260 cells, more than 5 % on 27 of them, at most 27 % (one rate for
+// every width: 0.45 %, 33, 38 %); with the wgmma GEMM, over the 720 cells, 0.35 % (the mma.sync
+// GEMM's constants there: 0.80 %), at most 23 %. At M = K = 4096 (before the wgmma GEMM) the dense
+// path was the faster one for L8-R8 at V 2 from sparsity 0.8 down (0.9 at N 512), at V 4
 // from 0.5-0.8 down (by N) and at V 8 only for N 512 at 0.5; for L16-R8 at V 2 from 0.7-0.8 down
 // and at V 4 from 0.5-0.7 down (N 256 and 512); for L16-R16 at V 2 from 0.8 down and at V 4 from
 // 0.5-0.7 down. Its workspace (A's planes) is capped at 1 GiB: past that the gather kernels run,
@@ -174,7 +214,11 @@ bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pa
   const double a_mb = 1.0 * d.a_planes * d.m_pad * d.k_pad * kMega;
   const double product_gop = 2e-9 * d.m_pad * d.n_pad * d.k_pad;
   const int64_t products = d.a_planes * d.b_planes;
-  const double per_gop = d.cublas() ? 1.45 : products == 1 ? 1.57 : products == 2 ? 3.10 : 4.60;
+  const bool wgmma = d.gemm != Gemm::kMma;
+  const double per_gop = d.cublas()        ? 1.45
+                         : products == 1 ? (wgmma ? 1.2 : 1.57)
+                         : products == 2 ? (wgmma ? 1.9 : 3.10)
+                                         : (wgmma ? 3.2 : 4.60);
   const double values_m = 1.0 * nnz_pad * p.v * kMega;
   const double dense_us = 10.2 + (d.cublas() ? 2.0 * (bh - 1) : 0.0) +
                           bh * (0.35 * a_mb + per_gop * product_gop + 1.58 * values_m);
@@ -210,30 +254,16 @@ void launch_gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, cudaStr
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The GEMM of the planes with its recombining epilogue. Each SM takes in about 50 GB/s from L2
-// (H200), which bounds both GEMMs: the time is the bytes of operand tiles an SM reads, and larger
-// output tiles read fewer bytes per product but leave SMs idle when there are fewer tiles than
-// SMs. On Hopper (an sm_90a build), the wgmma GEMM's larger tile where its tiles fill 3/4 of the
-// SMs, else its smaller one where that does, else (and on other GPUs) the mma.sync GEMM's smaller
-// tile. `hopper` forces the wgmma GEMM (its smaller tile) where nothing fills the GPU.
+// The GEMM of the planes with its recombining epilogue, as gemm_for chose.
 template <int AB, bool AS, int BB>
-void gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, cudaStream_t stream, bool force_hopper) {
+void gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, Gemm which, cudaStream_t stream) {
   namespace dn = magicube::spmm_dense;
   constexpr int AP = AB > 8 ? 2 : 1, BP = BB > 8 ? 2 : 1;
 #ifdef MAGICUBE_SM90A
-  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  if (props->major == 9) {
-    using Large = typename dn::WgmmaTiles<AP, BP>::Large;
-    using Small = typename dn::WgmmaTiles<AP, BP>::Small;
-    const int64_t fill = props->multiProcessorCount * 3 / 4;
-    auto ctas = [&](int64_t tile_m, int64_t tile_n) {
-      return bh * ((gp.m_pad + tile_m - 1) / tile_m) * ((gp.n_pad + tile_n - 1) / tile_n);
-    };
-    if (ctas(Large::kM, Large::kN) >= fill)
-      return launch_gemm<Large, dn::wgmma_gemm_kernel<AB, AS, BB, Large>>(gp, bh, stream);
-    if (force_hopper || ctas(Small::kM, Small::kN) >= fill)
-      return launch_gemm<Small, dn::wgmma_gemm_kernel<AB, AS, BB, Small>>(gp, bh, stream);
-  }
+  using Large = typename dn::WgmmaTiles<AP, BP>::Large;
+  using Small = typename dn::WgmmaTiles<AP, BP>::Small;
+  if (which == Gemm::kWgmmaLarge) return launch_gemm<Large, dn::wgmma_gemm_kernel<AB, AS, BB, Large>>(gp, bh, stream);
+  if (which == Gemm::kWgmmaSmall) return launch_gemm<Small, dn::wgmma_gemm_kernel<AB, AS, BB, Small>>(gp, bh, stream);
 #endif
   using T = typename dn::DefaultGemmTile<AP, BP>::type;
   launch_gemm<T, dn::gemm_kernel<AB, AS, BB, T>>(gp, bh, stream);
@@ -243,7 +273,6 @@ void gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, cudaStream_t s
 struct Dense {
   DenseShape shape;
   at::Tensor col_idx, out;
-  bool hopper;  // our GEMM on wgmma (its smaller tile) even where its tiles do not fill the GPU
 };
 
 // A and B expanded to byte planes and multiplied: one signed plane each by cuBLAS's int8 GEMM
@@ -314,8 +343,8 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
   gp.n_pad = static_cast<int>(d.n_pad);
   gp.k_pad = static_cast<int>(d.k_pad);
   gp.o = o;
-  if (a_signed) gemm<AB, true, BB>(gp, bh, stream, dense.hopper);
-  else gemm<AB, false, BB>(gp, bh, stream, dense.hopper);
+  if (a_signed) gemm<AB, true, BB>(gp, bh, d.gemm, stream);
+  else gemm<AB, false, BB>(gp, bh, d.gemm, stream);
 }
 
 // An integer pair: the dense path where `dense` says so, else the resident-B kernel where it
@@ -449,10 +478,10 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   const Choice choice = kernel_choice();
   std::optional<Dense> dense;
   if (!fp16) {
-    const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits);
+    const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits, bh, choice == Choice::kDenseWgmma);
     const bool forced = choice == Choice::kDense || choice == Choice::kDenseWgmma;
     if (d.applies() && (forced || (choice == Choice::kAuto && dense_pays(d, p, bh, nnz_pad))))
-      dense = Dense{d, col_idx, out, choice == Choice::kDenseWgmma};
+      dense = Dense{d, col_idx, out};
   }
   const Dense* dense_call = dense ? &*dense : nullptr;
 

@@ -1,13 +1,14 @@
 // The dense path of magicube_cuda::spmm: the sparse operand expanded to dense byte planes and
-// multiplied by an int8 GEMM, cuBLAS's for one signed plane each, ours for more (csrc/spmm.cu:
-// run_dense).
+// multiplied by an int8 GEMM, cuBLAS's for one signed plane each on small problems, else ours, on
+// wgmma on Hopper where its tiles fill the GPU, else on mma.sync (csrc/spmm.cu: run_dense,
+// pick_gemm).
 //
 // The SR-BCRS kernels gather, for every kept vector, its own row of B from L2: at low V and low
 // sparsity each row of B is read many times over (V 2, sparsity 0.7, M = K = 4096, N 256: 644 MB
 // of gathers for a 1 MB B), while a dense GEMM reads B once per tile of output rows. There the
 // exact integer product is cheaper as a dense one: A and B are split into byte planes, every pair
 // of planes multiplied into an int32 accumulator of its own (each product < 2^31), and the plane
-// products recombined in int64 and dequantized, with the gather kernel's rounding, in our GEMM's
+// products recombined in int64 and dequantized, with the gather kernel's rounding, in our GEMMs'
 // epilogue (a pass of its own after cuBLAS's).
 //
 // Planes are bytes, x = sum_q d_q * 256^q: the low planes unsigned (x's low bytes), the top plane
@@ -249,7 +250,7 @@ struct GemmParams {
   Output o;
 };
 
-// The GEMM: warps of a CTA in a WGM x WGN grid, each a WM x WN output tile of every plane
+// The mma.sync GEMM: warps of a CTA in a WGM x WGN grid, each a WM x WN output tile of every plane
 // product, over K in steps of BK bytes through a ring of STAGES shared-memory stages (cp.async),
 // fragments by ldmatrix, products by mma.sync m16n8k32. One CTA holds every plane product of its
 // output tile, so the recombination happens in registers.
@@ -276,8 +277,9 @@ struct GemmTile {
 // 128-512): 64 x 64 CTA tiles for one or two products, 64 x 32 for four (64 accumulators a
 // thread), 128-byte steps. Larger CTA tiles (128 x 64, 128 x 128), 64-byte steps, and K split
 // between the two CTAs of a cluster with the sums added through distributed shared memory, were
-// slower nearly everywhere (eval/results/kernel_checks.md, thirty-second round). One product runs
-// here only for unsigned 8-bit A: cuBLAS's GEMM is faster for one signed product.
+// slower nearly everywhere (eval/results/kernel_checks.md, thirty-second round). This GEMM runs
+// off Hopper and where the wgmma GEMM's tiles do not fill the GPU (its smaller tiles make more
+// CTAs); one product here only for unsigned 8-bit A, cuBLAS's GEMM being faster for a signed one.
 template <int AP, int BP>
 struct DefaultGemmTile;
 template <>
@@ -576,7 +578,7 @@ __global__ void __launch_bounds__(T::kThreads) wgmma_gemm_kernel(const GemmParam
 // Per number of plane products, the wgmma GEMM's two tiles (rows x columns of output), the fastest
 // of those timed on an H200 (M = K 1024-4096, N 128-512) where their tiles fill the SMs: one or two
 // products 128 x 128 (64 or 128 accumulators a thread) and 128 x 64 or 64 x 128, four products
-// 128 x 64 and 64 x 64 (128 and 64 accumulators); 4 stages, 6 for the one-warpgroup tiles of 32 KB
+// 128 x 64 and 64 x 64 (128 accumulators); 4 stages, 6 for the one-warpgroup tiles of 32 KB
 // stages (4 and 6 timed within 1 us of each other, and 6 no faster for the larger tiles).
 template <int AP, int BP>
 struct WgmmaTiles;

@@ -56,9 +56,9 @@ def spmm(pattern: SRBCRS, a_values: torch.Tensor, b: torch.Tensor, *, a_bits: in
     take no scales. On CUDA, integer inputs run on one of three ways that give the same bits: the
     gather kernel, the resident-B kernel (narrow B, many gathers) or, where the mask is dense
     enough that B would be gathered many times over (low V and sparsity), A and B expanded to byte
-    planes for a dense int8 GEMM (cuBLAS's for one signed plane each, the project's own where 16-bit
-    or unsigned 8-bit values take several or unsigned planes); the op picks by estimated time, and
-    the environment variable MAGICUBE_SPMM_KERNEL=gather|resident|dense forces one where it applies.
+    planes for a dense int8 GEMM (cuBLAS's for one signed plane each on small problems, else the
+    project's own, on wgmma on Hopper); the op picks by estimated time, and the environment
+    variable MAGICUBE_SPMM_KERNEL=gather|resident|dense|dense_wgmma forces one where it applies.
     """
     p = _pattern(pattern, b.device)
     if b.dim() != 3:
