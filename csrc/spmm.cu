@@ -193,15 +193,16 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // past (the fitted rates: 4.26, 5.28, 6.51, 7.99 at 512 bytes, 7.88 at 1 KB). The dense
 // path: 10.2 + 0.35 per MB of A's planes + 1.58 per million stored values (A's slots, read once per
 // row of a vector) + per GOP of one plane product (2 M N K) 1.45 through cuBLAS; in our GEMM, on
-// mma.sync 3.10 or 4.60 for two or four products, on wgmma 1.9 or 3.2 (refitted over the 720
-// cells of the four pairs of 12- and 16-bit A with the wgmma GEMM in; per tile 1.91 and 1.95, 3.27
-// and 2.50); one unsigned product 1.57 on mma.sync, 1.2 on wgmma (calibrations of those GEMMs
-// alone: the wgmma one took 0.68-0.84 of the other's time where it runs). cuBLAS's GEMM runs once
+// mma.sync 3.10 or 4.60 for two or four products (1.57 for one unsigned product, from a
+// calibration of that GEMM alone), on wgmma 1.05, 1.9 and 3.3 for one, two and four products (2.5
+// for four in the smaller tile; refitted over 1080 cells of the seven pairs with the wgmma GEMM
+// in, the three of single planes for its larger tile only). cuBLAS's GEMM runs once
 // per batch x head, about 2 each after the first. The dense model's median error was 6 % (90th
 // percentile 14 %), and choosing by the two estimates cost 0.33 % more time than the faster way on
 // the geometric mean over the 1260 cells, more than 5 % on 27 of them, at most 27 % (one rate for
-// every width: 0.45 %, 33, 38 %); with the wgmma GEMM, over the 720 cells, 0.35 % (the mma.sync
-// GEMM's constants there: 0.80 %), at most 23 %. At M = K = 4096 (before the wgmma GEMM) the dense
+// every width: 0.45 %, 33, 38 %); with the wgmma GEMM, over the 720 cells of 12- and 16-bit A,
+// 0.35 % (the mma.sync GEMM's constants there: 0.80 %), at most 23 %, and over the 360 of single
+// planes 0.36 %, at most 29 %. At M = K = 4096 (before the wgmma GEMM) the dense
 // path was the faster one for L8-R8 at V 2 from sparsity 0.8 down (0.9 at N 512), at V 4
 // from 0.5-0.8 down (by N) and at V 8 only for N 512 at 0.5; for L16-R8 at V 2 from 0.7-0.8 down
 // and at V 4 from 0.5-0.7 down (N 256 and 512); for L16-R16 at V 2 from 0.8 down and at V 4 from
@@ -214,11 +215,10 @@ bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pa
   const double a_mb = 1.0 * d.a_planes * d.m_pad * d.k_pad * kMega;
   const double product_gop = 2e-9 * d.m_pad * d.n_pad * d.k_pad;
   const int64_t products = d.a_planes * d.b_planes;
-  const bool wgmma = d.gemm != Gemm::kMma;
-  const double per_gop = d.cublas()        ? 1.45
-                         : products == 1 ? (wgmma ? 1.2 : 1.57)
-                         : products == 2 ? (wgmma ? 1.9 : 3.10)
-                                         : (wgmma ? 3.2 : 4.60);
+  double per_gop;
+  if (d.cublas()) per_gop = 1.45;
+  else if (d.gemm == Gemm::kMma) per_gop = products == 1 ? 1.57 : products == 2 ? 3.10 : 4.60;
+  else per_gop = products == 1 ? 1.05 : products == 2 ? 1.9 : d.gemm == Gemm::kWgmmaLarge ? 3.3 : 2.5;
   const double values_m = 1.0 * nnz_pad * p.v * kMega;
   const double dense_us = 10.2 + (d.cublas() ? 2.0 * (bh - 1) : 0.0) +
                           bh * (0.35 * a_mb + per_gop * product_gop + 1.58 * values_m);
