@@ -134,13 +134,13 @@ struct DenseShape {
   Gemm gemm;
   // Each plane product stays below 2^31 in its int32 accumulator.
   bool applies() const { return a_max * b_max * k_pad < (int64_t{1} << 31); }
-  // One plane each, both signed bytes (A's values at most 128): cuBLAS's int8 GEMM, as fast on
-  // Hopper as ours for a single product where our larger tile does not fill the GPU (H200, M = K =
-  // 4096, N 256: 14.4 us and a pass to store its products, against 16.5 us for ours) and faster
-  // below; where it does, ours (N 512: 23.6 against 25.8 us and the pass; and one launch for every
-  // batch x head). Ours takes several products in one pass (two at N 256: 21.2 us, four: 33.7)
-  // and unsigned bytes, which cuBLAS's does not.
-  bool cublas() const { return a_planes * b_planes == 1 && a_max <= 128 && gemm != Gemm::kWgmmaLarge; }
+  // One plane each, both signed bytes (A's values at most 128), where our wgmma GEMM does not run:
+  // cuBLAS's int8 GEMM and a pass that stores its products, faster there than our mma.sync GEMM
+  // (H200, M = K = 2048, N 256: 6.9 us and the pass against 9.4). Where ours runs on wgmma, ours
+  // (M = K = 4096, N 256: 16.5 us against 15.3 and 4.6 for the pass; N 512: 23.6 against 25.8 and
+  // the pass; and one launch for every batch x head). Ours takes several products in one pass (two
+  // at N 256: 21.2 us, four: 33.7) and unsigned bytes, which cuBLAS's does not.
+  bool cublas() const { return a_planes * b_planes == 1 && a_max <= 128 && gemm == Gemm::kMma; }
 };
 
 // Each SM takes in about 50 GB/s from L2 (H200), which bounds both of our GEMMs: their time is the
