@@ -196,13 +196,13 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // mma.sync 3.10 or 4.60 for two or four products (1.57 for one unsigned product, from a
 // calibration of that GEMM alone), on wgmma 1.05, 1.9 and 3.3 for one, two and four products (2.5
 // for four in the smaller tile; refitted over 1080 cells of the seven pairs with the wgmma GEMM
-// in, the three of single planes for its larger tile only). cuBLAS's GEMM runs once
+// in: 1.05 and 1.07 for one product in the two tiles). cuBLAS's GEMM runs once
 // per batch x head, about 2 each after the first. The dense model's median error was 6 % (90th
 // percentile 14 %), and choosing by the two estimates cost 0.33 % more time than the faster way on
 // the geometric mean over the 1260 cells, more than 5 % on 27 of them, at most 27 % (one rate for
 // every width: 0.45 %, 33, 38 %); with the wgmma GEMM, over the 720 cells of 12- and 16-bit A,
 // 0.35 % (the mma.sync GEMM's constants there: 0.80 %), at most 23 %, and over the 360 of single
-// planes 0.36 %, at most 29 %. At M = K = 4096 (before the wgmma GEMM) the dense
+// planes 0.31 %, at most 31 %. At M = K = 4096 (before the wgmma GEMM) the dense
 // path was the faster one for L8-R8 at V 2 from sparsity 0.8 down (0.9 at N 512), at V 4
 // from 0.5-0.8 down (by N) and at V 8 only for N 512 at 0.5; for L16-R8 at V 2 from 0.7-0.8 down
 // and at V 4 from 0.5-0.7 down (N 256 and 512); for L16-R16 at V 2 from 0.8 down and at V 4 from
