@@ -250,27 +250,81 @@ struct GemmParams {
   Output o;
 };
 
-// The mma.sync GEMM: warps of a CTA in a WGM x WGN grid, each a WM x WN output tile of every plane
-// product, over K in steps of BK bytes through a ring of STAGES shared-memory stages (cp.async),
+// Both GEMMs stage K in 128-byte steps: row r of a stage holds 128 bytes of one operand row (A's
+// planes' rows, then B's), its 16-byte chunk c at chunk c ^ (r % 8). ldmatrix reads one chunk
+// column of 8 consecutive rows, which this puts in 8 different bank groups, and it is the 128-byte
+// swizzle that wgmma's descriptors name (8-row atoms of 1024 bytes).
+constexpr int kStepBytes = 128;
+__device__ __forceinline__ uint32_t stage_offset(int r, int c) { return r * kStepBytes + 16 * (c ^ (r & 7)); }
+
+// A CTA's copies into its ring of stages (tile T): thread i copies chunk i % 8 of rows i / 8 + j
+// kThreads / 8 of every stage (kThreads / 8 is a multiple of 8, so the chunk's place in its row is
+// the same for every j), from sources computed once (null past the operand's padded rows).
+template <class T>
+struct StageCopies {
+  static constexpr int kRowsApart = T::kThreads / 8;
+  static constexpr int kLoads = (T::AP * T::kM + T::BP * T::kN) / kRowsApart;
+  static_assert(kRowsApart % 8 == 0 && (T::AP * T::kM + T::BP * T::kN) % kRowsApart == 0);
+  const int8_t* src[kLoads];
+  uint32_t dst0;
+  int chunk;
+
+  __device__ __forceinline__ StageCopies(const GemmParams& p, int bh, int m0, int n0) {
+    chunk = threadIdx.x & 7;
+    const int r0 = threadIdx.x >> 3;
+    dst0 = stage_offset(r0, chunk);
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      const int r = r0 + j * kRowsApart;
+      if (r < T::AP * T::kM) {
+        const int q = r / T::kM, row = m0 + r % T::kM;
+        src[j] = row < p.m_pad ? p.a + ((static_cast<int64_t>(bh) * T::AP + q) * p.m_pad + row) * p.k_pad + 16 * chunk
+                               : nullptr;
+      } else {
+        const int q = (r - T::AP * T::kM) / T::kN, col = n0 + (r - T::AP * T::kM) % T::kN;
+        src[j] = col < p.n_pad ? p.b + ((static_cast<int64_t>(bh) * T::BP + q) * p.n_pad + col) * p.k_pad + 16 * chunk
+                               : nullptr;
+      }
+    }
+  }
+
+  // K step t into its slot of the ring at `smem` (zeros past K and the padded rows).
+  __device__ __forceinline__ void load(const GemmParams& p, uint32_t smem, int t) const {
+    const uint32_t base = smem + (t % T::kStages) * T::kStageBytes + dst0;
+    const int k0 = t * kStepBytes;
+    const bool in_k = k0 + 16 * chunk < p.k_pad;  // k_pad is a multiple of 16
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      const bool ok = in_k && src[j] != nullptr;
+      cp_async16<false>(base + j * kRowsApart * kStepBytes, ok ? src[j] + k0 : p.a, ok ? 16 : 0);
+    }
+  }
+};
+
+// Output (row, col) from its plane products, acc(qa, qb): the sum over plane pairs of 256^(qa + qb)
+// times the product, in int64 (modulo 2^64 on the way, in unsigned arithmetic: the result fits).
+template <int AP, int BP, class Acc>
+__device__ __forceinline__ void store_recombined(const Output& o, int bh, int row, int col, float sa, Acc acc) {
+  if (col >= o.n) return;
+  uint64_t sum = 0;
+#pragma unroll
+  for (int qa = 0; qa < AP; ++qa)
+#pragma unroll
+    for (int qb = 0; qb < BP; ++qb) sum += static_cast<uint64_t>(static_cast<int64_t>(acc(qa, qb))) << (8 * (qa + qb));
+  o.store(bh, row, col, static_cast<int64_t>(sum), sa);
+}
+
+// The mma.sync GEMM: 4 warps of a CTA in a 2 x 2 grid, each a WM x WN output tile of every plane
+// product, over K in 128-byte steps through a ring of STAGES shared-memory stages (cp.async),
 // fragments by ldmatrix, products by mma.sync m16n8k32. One CTA holds every plane product of its
 // output tile, so the recombination happens in registers.
-template <int AP_, int BP_, int WM, int WN, int WGM, int WGN, int BK, int STAGES>
+template <int AP_, int BP_, int WM, int WN, int STAGES>
 struct GemmTile {
-  static constexpr int AP = AP_, BP = BP_, kWarpM = WM, kWarpN = WN, kBK = BK, kStages = STAGES;
-  static constexpr int kThreads = 32 * WGM * WGN;
-  static constexpr int kWarpsN = WGN;
-  static constexpr int kM = WGM * WM, kN = WGN * WN;
-  static constexpr int kRows = AP * kM + BP * kN;  // a stage's rows: A's planes, then B's
-  static constexpr int kStageBytes = kRows * BK;
+  static constexpr int AP = AP_, BP = BP_, kWarpM = WM, kWarpN = WN, kStages = STAGES;
+  static constexpr int kThreads = 128, kM = 2 * WM, kN = 2 * WN;
+  static constexpr int kStageBytes = (AP * kM + BP * kN) * kStepBytes;
   static constexpr int kSmemBytes = STAGES * kStageBytes;
-  static constexpr int kChunks = BK / 16;                       // 16-byte chunks a row
-  static constexpr int kLoads = kRows * kChunks / kThreads;     // chunks a thread a stage
-  static_assert(kRows * kChunks % kThreads == 0 && WN % 16 == 0 && WM % 16 == 0 && BK % 32 == 0);
-  // Chunk c of row r of a stage. ldmatrix reads one chunk column of 8 consecutive rows: the
-  // swizzle puts those 8 chunks in 8 different 16-byte bank groups.
-  __device__ static __forceinline__ uint32_t swizzle(int r, int c) {
-    return r * BK + 16 * (c ^ ((r / (128 / BK)) & (kChunks - 1)));
-  }
+  static_assert(WN % 16 == 0 && WM % 16 == 0);
 };
 
 // Per number of plane products, the fastest of the tiles timed on an H200 (M = K 1024-4096, N
@@ -284,15 +338,15 @@ template <int AP, int BP>
 struct DefaultGemmTile;
 template <>
 struct DefaultGemmTile<1, 1> {
-  using type = GemmTile<1, 1, 32, 32, 2, 2, 128, 4>;
+  using type = GemmTile<1, 1, 32, 32, 4>;
 };
 template <>
 struct DefaultGemmTile<2, 1> {
-  using type = GemmTile<2, 1, 32, 32, 2, 2, 128, 3>;
+  using type = GemmTile<2, 1, 32, 32, 3>;
 };
 template <>
 struct DefaultGemmTile<2, 2> {
-  using type = GemmTile<2, 2, 32, 16, 2, 2, 128, 4>;
+  using type = GemmTile<2, 2, 32, 16, 4>;
 };
 
 template <int AB, bool AS, int BB, class T = typename DefaultGemmTile<(AB > 8 ? 2 : 1), (BB > 8 ? 2 : 1)>::type>
@@ -304,36 +358,9 @@ __global__ void __launch_bounds__(T::kThreads) gemm_kernel(const GemmParams p) {
   const uint32_t smem = smem_addr(smem16);
   const int bh = blockIdx.z, m0 = blockIdx.y * T::kM, n0 = blockIdx.x * T::kN;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int wm = (warp / T::kWarpsN) * T::kWarpM, wn = (warp % T::kWarpsN) * T::kWarpN;
-
-  // Each thread copies the same chunks of every stage: their sources (null past the operand's
-  // padded rows) and offsets, computed once.
-  const int8_t* src[T::kLoads];
-  uint32_t dst[T::kLoads];
-  int chunk_k[T::kLoads];
-#pragma unroll
-  for (int j = 0; j < T::kLoads; ++j) {
-    const int i = j * T::kThreads + threadIdx.x, r = i / T::kChunks, c = i % T::kChunks;
-    dst[j] = T::swizzle(r, c);
-    chunk_k[j] = 16 * c;
-    if (r < AP * T::kM) {
-      const int q = r / T::kM, row = m0 + r % T::kM;
-      src[j] = row < p.m_pad ? p.a + ((static_cast<int64_t>(bh) * AP + q) * p.m_pad + row) * p.k_pad + 16 * c : nullptr;
-    } else {
-      const int q = (r - AP * T::kM) / T::kN, col = n0 + (r - AP * T::kM) % T::kN;
-      src[j] = col < p.n_pad ? p.b + ((static_cast<int64_t>(bh) * BP + q) * p.n_pad + col) * p.k_pad + 16 * c : nullptr;
-    }
-  }
-  const int k_tiles = (p.k_pad + T::kBK - 1) / T::kBK;
-  auto load_stage = [&](int t) {
-    const uint32_t base = smem + (t % T::kStages) * T::kStageBytes;
-    const int k0 = t * T::kBK;
-#pragma unroll
-    for (int j = 0; j < T::kLoads; ++j) {
-      const bool ok = src[j] != nullptr && k0 + chunk_k[j] < p.k_pad;  // k_pad is a multiple of 16
-      cp_async16<false>(base + dst[j], ok ? src[j] + k0 : p.a, ok ? 16 : 0);
-    }
-  };
+  const int wm = (warp >> 1) * T::kWarpM, wn = (warp & 1) * T::kWarpN;
+  const StageCopies<T> copies(p, bh, m0, n0);
+  const int k_tiles = (p.k_pad + kStepBytes - 1) / kStepBytes;
 
   // Fragments: A's matrices (rows 0-7, bytes 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31) of
   // each m16 tile; B's (cols 0-7, bytes 0-15), (0-7, 16-31), (8-15, 0-15), (8-15, 16-31) of each
@@ -344,13 +371,13 @@ __global__ void __launch_bounds__(T::kThreads) gemm_kernel(const GemmParams p) {
   for (int q = 0; q < AP; ++q)
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
-      a_off[q][mt] = T::swizzle(q * T::kM + wm + 16 * mt + (lane & 7) + 8 * ((lane >> 3) & 1), lane >> 4);
+      a_off[q][mt] = stage_offset(q * T::kM + wm + 16 * mt + (lane & 7) + 8 * ((lane >> 3) & 1), lane >> 4);
 #pragma unroll
   for (int q = 0; q < BP; ++q)
 #pragma unroll
     for (int nt = 0; nt < kNT; nt += 2)
       b_off[q][nt / 2] =
-          T::swizzle(AP * T::kM + q * T::kN + wn + 8 * nt + (lane & 7) + 8 * (lane >> 4), (lane >> 3) & 1);
+          stage_offset(AP * T::kM + q * T::kN + wn + 8 * nt + (lane & 7) + 8 * (lane >> 4), (lane >> 3) & 1);
   uint32_t af[2][AP][kMT][4], bf[2][BP][kNT][2];
   auto load_fragments = [&](int buf, uint32_t stage, int kk) {
 #pragma unroll
@@ -370,12 +397,12 @@ __global__ void __launch_bounds__(T::kThreads) gemm_kernel(const GemmParams p) {
   // The ring: tiles t + 1 .. t + kStages - 1 in flight while tile t is multiplied, and each 32-byte
   // step's fragments loaded while the step before is multiplied (the next tile's first ones across
   // the barrier that frees the slot of tile t).
-  constexpr int kSteps = T::kBK / 32;
+  constexpr int kSteps = kStepBytes / 32;
   static_assert(kSteps % 2 == 0, "a tile's steps alternate the fragment buffers, so the next tile starts on 0");
   int acc[AP][BP][kMT][kNT][4] = {};
 #pragma unroll
   for (int t = 0; t < T::kStages - 1; ++t) {
-    if (t < k_tiles) load_stage(t);
+    if (t < k_tiles) copies.load(p, smem, t);
     cp_async_commit();
   }
   cp_async_wait<T::kStages - 2>();
@@ -383,7 +410,7 @@ __global__ void __launch_bounds__(T::kThreads) gemm_kernel(const GemmParams p) {
   load_fragments(0, smem, 0);
   for (int t = 0; t < k_tiles; ++t) {
     // Tile t + kStages - 1 goes to the slot of tile t - 1, which every warp has finished reading.
-    if (t + T::kStages - 1 < k_tiles) load_stage(t + T::kStages - 1);
+    if (t + T::kStages - 1 < k_tiles) copies.load(p, smem, t + T::kStages - 1);
     cp_async_commit();
     const uint32_t stage = smem + (t % T::kStages) * T::kStageBytes;
 #pragma unroll
@@ -409,9 +436,8 @@ __global__ void __launch_bounds__(T::kThreads) gemm_kernel(const GemmParams p) {
     }
   }
 
-  // out = sum over plane pairs of 256^(qa + qb) * product, in int64 (modulo 2^64 on the way, in
-  // unsigned arithmetic: the result fits). Thread (lane / 4, lane % 4) holds rows lane / 4 and
-  // lane / 4 + 8 of each m16 tile, columns 2 (lane % 4) and the next of each n8 tile.
+  // Thread (lane / 4, lane % 4) holds rows lane / 4 and lane / 4 + 8 of each m16 tile, columns
+  // 2 (lane % 4) and the next of each n8 tile.
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -422,17 +448,9 @@ __global__ void __launch_bounds__(T::kThreads) gemm_kernel(const GemmParams p) {
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = n0 + wn + 8 * nt + 2 * (lane & 3) + e;
-          if (col >= p.o.n) continue;
-          uint64_t sum = 0;
-#pragma unroll
-          for (int qa = 0; qa < AP; ++qa)
-#pragma unroll
-            for (int qb = 0; qb < BP; ++qb)
-              sum += static_cast<uint64_t>(static_cast<int64_t>(acc[qa][qb][mt][nt][2 * h + e])) << (8 * (qa + qb));
-          p.o.store(bh, row, col, static_cast<int64_t>(sum), sa);
-        }
+        for (int e = 0; e < 2; ++e)
+          store_recombined<AP, BP>(p.o, bh, row, n0 + wn + 8 * nt + 2 * (lane & 3) + e, sa,
+                                   [&](int qa, int qb) { return acc[qa][qb][mt][nt][2 * h + e]; });
     }
 }
 
@@ -464,12 +482,10 @@ __device__ __forceinline__ void keep_in_place(int (&acc)[A][B][N]) {
 template <int AP_, int BP_, int WGS, int BN, int STAGES>
 struct WgmmaTile {
   static constexpr int AP = AP_, BP = BP_, kN = BN, kStages = STAGES;
-  static constexpr int kThreads = 128 * WGS, kM = 64 * WGS, kBK = 128;
-  static constexpr int kRows = AP * kM + BP * kN;  // a stage's rows: A's planes, then B's
-  static constexpr int kStageBytes = kRows * kBK;
+  static constexpr int kThreads = 128 * WGS, kM = 64 * WGS;
+  static constexpr int kStageBytes = (AP * kM + BP * kN) * kStepBytes;
   static constexpr int kSmemBytes = STAGES * kStageBytes + 1024;  // and the atoms' 1024-byte alignment
-  static constexpr int kLoads = kRows * (kBK / 16) / kThreads;    // 16-byte chunks a thread a stage
-  static_assert(kRows * (kBK / 16) % kThreads == 0 && STAGES >= 3 && (BN == 64 || BN == 128));
+  static_assert(STAGES >= 3 && (BN == 64 || BN == 128));
 };
 
 template <int AB, bool AS, int BB, class T>
@@ -482,38 +498,8 @@ __global__ void __launch_bounds__(T::kThreads) wgmma_gemm_kernel(const GemmParam
   const int bh = blockIdx.z, m0 = blockIdx.y * T::kM, n0 = blockIdx.x * kN;
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
 
-  // Each thread copies chunk c = threadIdx.x % 8 of rows r = threadIdx.x / 8 + j kThreads / 8 of
-  // every stage (kThreads / 8 is a multiple of 8, so r % 8 is the same for every j): their sources
-  // (null past the operand's padded rows), computed once. Chunk c of row r lands at chunk
-  // c ^ (r % 8), the layout wgmma_desc names.
-  constexpr int kRowsApart = T::kThreads / 8;
-  const int chunk = threadIdx.x & 7, r0 = threadIdx.x >> 3;
-  const uint32_t dst0 = r0 * T::kBK + 16 * (chunk ^ (r0 & 7));
-  const int8_t* src[T::kLoads];
-#pragma unroll
-  for (int j = 0; j < T::kLoads; ++j) {
-    const int r = r0 + j * kRowsApart;
-    if (r < AP * T::kM) {
-      const int q = r / T::kM, row = m0 + r % T::kM;
-      src[j] = row < p.m_pad ? p.a + ((static_cast<int64_t>(bh) * AP + q) * p.m_pad + row) * p.k_pad + 16 * chunk
-                             : nullptr;
-    } else {
-      const int q = (r - AP * T::kM) / kN, col = n0 + (r - AP * T::kM) % kN;
-      src[j] = col < p.n_pad ? p.b + ((static_cast<int64_t>(bh) * BP + q) * p.n_pad + col) * p.k_pad + 16 * chunk
-                             : nullptr;
-    }
-  }
-  const int k_tiles = (p.k_pad + T::kBK - 1) / T::kBK;
-  auto load_stage = [&](int t) {
-    const uint32_t base = smem + (t % kS) * T::kStageBytes + dst0;
-    const int k0 = t * T::kBK;
-    const bool in_k = k0 + 16 * chunk < p.k_pad;  // k_pad is a multiple of 16
-#pragma unroll
-    for (int j = 0; j < T::kLoads; ++j) {
-      const bool ok = in_k && src[j] != nullptr;
-      cp_async16<false>(base + j * kRowsApart * T::kBK, ok ? src[j] + k0 : p.a, ok ? 16 : 0);
-    }
-  };
+  const StageCopies<T> copies(p, bh, m0, n0);
+  const int k_tiles = (p.k_pad + kStepBytes - 1) / kStepBytes;
 
   // The ring: tile t is multiplied while tiles t + 1 .. t + kS - 2 are in flight; the slot that
   // tile t + kS - 2 takes is tile t - 2's, whose wgmmas every warpgroup has waited for before the
@@ -521,27 +507,27 @@ __global__ void __launch_bounds__(T::kThreads) wgmma_gemm_kernel(const GemmParam
   int acc[AP][BP][kN / 2] = {};
 #pragma unroll
   for (int t = 0; t < kS - 2; ++t) {
-    if (t < k_tiles) load_stage(t);
+    if (t < k_tiles) copies.load(p, smem, t);
     cp_async_commit();
   }
   for (int t = 0; t < k_tiles; ++t) {
     cp_async_wait<kS - 3>();
     fence_proxy_async();
     __syncthreads();
-    if (t + kS - 2 < k_tiles) load_stage(t + kS - 2);
+    if (t + kS - 2 < k_tiles) copies.load(p, smem, t + kS - 2);
     cp_async_commit();
     const uint32_t stage = smem + (t % kS) * T::kStageBytes;
     keep_in_place(acc);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < T::kBK / 32; ++kk)
+    for (int kk = 0; kk < kStepBytes / 32; ++kk)
 #pragma unroll
       for (int qa = 0; qa < AP; ++qa)
 #pragma unroll
         for (int qb = 0; qb < BP; ++qb)
           wgmma_planes<kN>(qa == AP - 1 && AS, qb == BP - 1, acc[qa][qb],
-                           wgmma_desc(stage + (qa * T::kM + 64 * wg) * T::kBK + 32 * kk),
-                           wgmma_desc(stage + (AP * T::kM + qb * kN) * T::kBK + 32 * kk));
+                           wgmma_desc(stage + (qa * T::kM + 64 * wg) * kStepBytes + 32 * kk),
+                           wgmma_desc(stage + (AP * T::kM + qb * kN) * kStepBytes + 32 * kk));
     wgmma_commit();
     keep_in_place(acc);
     wgmma_wait<1>();
@@ -549,7 +535,6 @@ __global__ void __launch_bounds__(T::kThreads) wgmma_gemm_kernel(const GemmParam
   wgmma_wait<0>();
   keep_in_place(acc);
 
-  // out = sum over plane pairs of 256^(qa + qb) * product, in int64 (see gemm_kernel).
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = m0 + 64 * wg + 16 * warp + (lane >> 2) + 8 * h;
@@ -558,17 +543,9 @@ __global__ void __launch_bounds__(T::kThreads) wgmma_gemm_kernel(const GemmParam
 #pragma unroll
     for (int j = 0; j < kN / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = n0 + 8 * j + 2 * (lane & 3) + e;
-        if (col >= p.o.n) continue;
-        uint64_t sum = 0;
-#pragma unroll
-        for (int qa = 0; qa < AP; ++qa)
-#pragma unroll
-          for (int qb = 0; qb < BP; ++qb)
-            sum += static_cast<uint64_t>(static_cast<int64_t>(acc[qa][qb][4 * j + 2 * h + e])) << (8 * (qa + qb));
-        p.o.store(bh, row, col, static_cast<int64_t>(sum), sa);
-      }
+      for (int e = 0; e < 2; ++e)
+        store_recombined<AP, BP>(p.o, bh, row, n0 + 8 * j + 2 * (lane & 3) + e, sa,
+                                 [&](int qa, int qb) { return acc[qa][qb][4 * j + 2 * h + e]; });
   }
 #else
   __trap();  // built without sm_90a: the host launches this kernel only where the build has it

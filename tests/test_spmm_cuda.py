@@ -85,6 +85,16 @@ def _scales(bh, m, n, g, a_bits, b_bits):
             (torch.rand(bh, n, generator=g) + 0.01) / 2 ** (b_bits - 1))
 
 
+def _assert_exact(kernels, p, emask, bh, k, n, v, a_bits, a_signed, b_bits, g):
+    """Random operands: the int64 products and the fp16 dequantized output equal the reference's."""
+    a_values, b = _inputs(p, emask, bh, k, n, a_bits, a_signed, b_bits, g)
+    got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64)
+    assert torch.equal(got, want), f"{(got != want).sum()} mismatches"
+    sa, sb = _scales(bh, p.m, n, g, a_bits, b_bits)
+    got, want = _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, torch.float16)
+    assert torch.equal(got, want), "fp16 output differs"
+
+
 @pytest.mark.parametrize("v", [2, 4, 8])
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
 def test_integer_exact(kernels, a_bits, b_bits, a_signed, v):
@@ -108,14 +118,8 @@ def test_dense_gemm_large_tiles(kernels, a_bits, b_bits, a_signed):
     multiples of no tile; the GEMM's last K step partly past K. Under the other ways, one more
     batched problem."""
     bh, rows, k, n, v = 12, 75, 160, 300, 4
-    g = torch.Generator().manual_seed(7)
     p, emask = problem(bh, rows, k, v, 0.5, seed=11)
-    a_values, b = _inputs(p, emask, bh, k, n, a_bits, a_signed, b_bits, g)
-    got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64)
-    assert torch.equal(got, want), f"{(got != want).sum()} mismatches"
-    sa, sb = _scales(bh, p.m, n, g, a_bits, b_bits)
-    got, want = _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, torch.float16)
-    assert torch.equal(got, want), "fp16 output differs"
+    _assert_exact(kernels, p, emask, bh, k, n, v, a_bits, a_signed, b_bits, torch.Generator().manual_seed(7))
 
 
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
@@ -218,14 +222,8 @@ def test_warps_take_several_rows(kernels, a_bits, b_bits, a_signed, v):
     than the 32 whose pattern entries a warp reads at once); 16-byte dense rows with a partial
     last 32-byte slice."""
     bh, rows, k, n = 5, 600 if v == 2 else 45, 300, 32 * 27 + 16
-    g = torch.Generator().manual_seed(v)
     p, emask = problem(bh, rows, k, v, 0.7, seed=v, shuffle=True)
-    a_values, b = _inputs(p, emask, bh, k, n, a_bits, a_signed, b_bits, g)
-    got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64)
-    assert torch.equal(got, want), f"{(got != want).sum()} mismatches"
-    sa, sb = _scales(bh, p.m, n, g, a_bits, b_bits)
-    got, want = _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, torch.float16)
-    assert torch.equal(got, want), "fp16 output differs"
+    _assert_exact(kernels, p, emask, bh, k, n, v, a_bits, a_signed, b_bits, torch.Generator().manual_seed(v))
 
 
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", [(8, 8, True), (16, 8, False), (8, 4, True)],
