@@ -123,7 +123,7 @@ void launch_signed(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stre
   else launch<AB, false, BB>(p, vrows, bh, stream, fast);
 }
 
-// Which of our GEMMs multiplies the planes where cuBLAS's does not (gemm_for).
+// Which of our GEMMs multiplies the planes where cuBLAS's does not (pick_gemm).
 enum class Gemm { kMma, kWgmmaLarge, kWgmmaSmall };
 
 // The dense path (spmm_dense.cuh): the GEMM's operands, padded to kAlign rows and columns (cuBLAS's
@@ -190,24 +190,23 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // L8-R8, L8-R4, L4-R4, L12-R4, L16-R4, L16-R8, L16-R16; BH 1; every way forced). The gather and
 // resident-B kernels: 3.5 + the gathered MB (a row of B per kept vector, from L2) over a rate that
 // grows with the row's width: 4.3 MB/us for rows of up to 64 bytes, 5.3 to 128, 6.5 to 256, 8.0
-// past (the fitted rates: 4.26, 5.28, 6.51, 7.99 at 512 bytes, 7.88 at 1 KB). The dense
-// path: 10.2 + 0.35 per MB of A's planes + 1.58 per million stored values (A's slots, read once per
-// row of a vector) + per GOP of one plane product (2 M N K) 1.45 through cuBLAS; in our GEMM, on
-// mma.sync 3.10 or 4.60 for two or four products (1.57 for one unsigned product, from a
-// calibration of that GEMM alone), on wgmma 1.05, 1.9 and 3.3 for one, two and four products (2.5
-// for four in the smaller tile; refitted over 1080 cells of the seven pairs with the wgmma GEMM
-// in: 1.05 and 1.07 for one product in the two tiles). cuBLAS's GEMM runs once
-// per batch x head, about 2 each after the first. The dense model's median error was 6 % (90th
-// percentile 14 %), and choosing by the two estimates cost 0.33 % more time than the faster way on
-// the geometric mean over the 1260 cells, more than 5 % on 27 of them, at most 27 % (one rate for
-// every width: 0.45 %, 33, 38 %); with the wgmma GEMM, over the 720 cells of 12- and 16-bit A,
-// 0.35 % (the mma.sync GEMM's constants there: 0.80 %), at most 23 %, and over the 360 of single
-// planes 0.31 %, at most 31 %. At M = K = 4096 (before the wgmma GEMM) the dense
-// path was the faster one for L8-R8 at V 2 from sparsity 0.8 down (0.9 at N 512), at V 4
-// from 0.5-0.8 down (by N) and at V 8 only for N 512 at 0.5; for L16-R8 at V 2 from 0.7-0.8 down
-// and at V 4 from 0.5-0.7 down (N 256 and 512); for L16-R16 at V 2 from 0.8 down and at V 4 from
-// 0.5-0.7 down. Its workspace (A's planes) is capped at 1 GiB: past that the gather kernels run,
-// slower, instead of the allocator failing.
+// past (the fitted rates: 4.26, 5.28, 6.51, 7.99 at 512 bytes, 7.88 at 1 KB). The dense path: 10.2
+// + 0.35 per MB of A's planes + 1.58 per million stored values (A's slots, read once per row of a
+// vector) + per GOP of one plane product (2 M N K) 1.45 through cuBLAS; in our GEMM, on mma.sync
+// 3.10 or 4.60 for two or four products (1.57 for one unsigned product, from a calibration of that
+// GEMM alone), on wgmma 1.05, 1.9 and 3.3 for one, two and four products (2.5 for four in the
+// smaller tile; refitted over 1080 cells of the seven pairs with the wgmma GEMM in: 1.05 and 1.07
+// for one product in the two tiles). cuBLAS's GEMM runs once per batch x head, about 2 each after
+// the first. The dense model's median error was 6 % (90th percentile 14 %), and choosing by the two
+// estimates cost 0.33 % more time than the faster way on the geometric mean over the 1260 cells,
+// more than 5 % on 27 of them, at most 27 % (one rate for every width: 0.45 %, 33, 38 %); with the
+// wgmma GEMM, over the 720 cells of 12- and 16-bit A, 0.35 % (the mma.sync GEMM's constants there:
+// 0.80 %), at most 23 %, and over the 360 of single planes 0.31 %, at most 31 %. At M = K = 4096
+// (before the wgmma GEMM) the dense path was the faster one for L8-R8 at V 2 from sparsity 0.8 down
+// (0.9 at N 512), at V 4 from 0.5-0.8 down (by N) and at V 8 only for N 512 at 0.5; for L16-R8 at V
+// 2 from 0.7-0.8 down and at V 4 from 0.5-0.7 down (N 256 and 512); for L16-R16 at V 2 from 0.8
+// down and at V 4 from 0.5-0.7 down. Its workspace (A's planes) is capped at 1 GiB: past that the
+// gather kernels run, slower, instead of the allocator failing.
 bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pad) {
   constexpr double kMega = 1e-6;
   constexpr int64_t kMaxWorkspace = int64_t{1} << 30;
@@ -254,7 +253,7 @@ void launch_gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, cudaStr
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The GEMM of the planes with its recombining epilogue, as gemm_for chose.
+// The GEMM of the planes with its recombining epilogue, as pick_gemm chose.
 template <int AB, bool AS, int BB>
 void gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, Gemm which, cudaStream_t stream) {
   namespace dn = magicube::spmm_dense;
