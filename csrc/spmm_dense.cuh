@@ -535,6 +535,8 @@ __global__ void __launch_bounds__(T::kThreads) wgmma_gemm_kernel(const GemmParam
   wgmma_wait<0>();
   keep_in_place(acc);
 
+  // Each warpgroup's accumulators in wgmma_k32's layout: warp w of it holds rows 16 w + lane / 4
+  // and 8 below.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = m0 + 64 * wg + 16 * warp + (lane >> 2) + 8 * h;
