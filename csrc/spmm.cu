@@ -66,6 +66,8 @@ void launch(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, boo
 // wgmma wherever it runs: Hopper); auto, the default, lets the rules below pick.
 enum class Choice { kAuto, kGather, kResident, kDense, kDenseWgmma };
 
+bool forces_dense(Choice choice) { return choice == Choice::kDense || choice == Choice::kDenseWgmma; }
+
 Choice kernel_choice() {
   const char* env = std::getenv("MAGICUBE_SPMM_KERNEL");
   const std::string choice = env ? env : "auto";
@@ -95,7 +97,7 @@ template <int AB, bool AS, int BB>
 bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
                      Choice choice) {
   namespace sd = magicube::spmm_detail;
-  if (choice == Choice::kGather || choice == Choice::kDense || choice == Choice::kDenseWgmma || !fast) return false;
+  if (choice == Choice::kGather || forces_dense(choice) || !fast) return false;
   constexpr auto kernel = sd::spmm_resident_kernel<AB, AS, BB>;
   const int64_t smem = (static_cast<int64_t>(p.k) + 1) * sd::kResidentSliceBytes;
   if (smem > magicube::max_dynamic_smem<kernel>()) return false;
@@ -186,27 +188,18 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 }
 
 // Whether the dense path is the faster one, by estimated times (us) of both ways, fitted on an H200
-// over the bench_spmm sweep's cells (M = K 512-4096, N 128-512, V 2 / 4 / 8, sparsity 0.5-0.95;
-// L8-R8, L8-R4, L4-R4, L12-R4, L16-R4, L16-R8, L16-R16; BH 1; every way forced). The gather and
-// resident-B kernels: 3.5 + the gathered MB (a row of B per kept vector, from L2) over a rate that
-// grows with the row's width: 4.3 MB/us for rows of up to 64 bytes, 5.3 to 128, 6.5 to 256, 8.0
-// past (the fitted rates: 4.26, 5.28, 6.51, 7.99 at 512 bytes, 7.88 at 1 KB). The dense path: 10.2
-// + 0.35 per MB of A's planes + 1.58 per million stored values (A's slots, read once per row of a
-// vector) + per GOP of one plane product (2 M N K) 1.45 through cuBLAS; in our GEMM, on mma.sync
-// 3.10 or 4.60 for two or four products (1.57 for one unsigned product, from a calibration of that
-// GEMM alone), on wgmma 1.05, 1.9 and 3.3 for one, two and four products (2.5 for four in the
-// smaller tile; refitted over 1080 cells of the seven pairs with the wgmma GEMM in: 1.05 and 1.07
-// for one product in the two tiles). cuBLAS's GEMM runs once per batch x head, about 2 each after
-// the first. The dense model's median error was 6 % (90th percentile 14 %), and choosing by the two
-// estimates cost 0.33 % more time than the faster way on the geometric mean over the 1260 cells,
-// more than 5 % on 27 of them, at most 27 % (one rate for every width: 0.45 %, 33, 38 %); with the
-// wgmma GEMM, over the 720 cells of 12- and 16-bit A, 0.35 % (the mma.sync GEMM's constants there:
-// 0.80 %), at most 23 %, and over the 360 of single planes 0.31 %, at most 31 %. At M = K = 4096
-// (before the wgmma GEMM) the dense path was the faster one for L8-R8 at V 2 from sparsity 0.8 down
-// (0.9 at N 512), at V 4 from 0.5-0.8 down (by N) and at V 8 only for N 512 at 0.5; for L16-R8 at V
-// 2 from 0.7-0.8 down and at V 4 from 0.5-0.7 down (N 256 and 512); for L16-R16 at V 2 from 0.8
-// down and at V 4 from 0.5-0.7 down. Its workspace (A's planes) is capped at 1 GiB: past that the
-// gather kernels run, slower, instead of the allocator failing.
+// over the bench_spmm sweep's cells (M = K 512-4096, N 128-512, V 2 / 4 / 8, sparsity 0.5-0.95,
+// the seven pairs, BH 1, every way forced; eval/results/kernel_checks.md, thirty-first to
+// thirty-third rounds). The gather and resident-B kernels: 3.5 + the gathered MB (a row of B per
+// kept vector, from L2) over a rate that grows with the row's width: 4.3 MB/us for rows of up to 64
+// bytes, 5.3 to 128, 6.5 to 256, 8.0 past. The dense path: 10.2 + 0.35 per MB of A's planes + 1.58
+// per million stored values (A's slots, read once per row of a vector) + per GOP of one plane
+// product (2 M N K): 1.45 through cuBLAS (once per batch x head, about 2 more each after the
+// first); in our GEMM on mma.sync 3.10 or 4.60 for two or four products (1.57 for one unsigned
+// product), on wgmma 1.05, 1.9 and 3.3 for one, two and four products (2.5 for four in the smaller
+// tile). Choosing by the two estimates took 0.31-0.35 % more time than the faster way on the
+// geometric mean over those cells, at most 31 % in one. A's planes are capped at 1 GiB: past that
+// the gather kernels run, slower, instead of the allocator failing.
 bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pad) {
   constexpr double kMega = 1e-6;
   constexpr int64_t kMaxWorkspace = int64_t{1} << 30;
@@ -350,7 +343,7 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
 // applies and pays, else the gather kernel.
 template <int AB, int BB>
 void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
-                 bool a_signed, Choice choice, const Dense* dense) {
+                 bool a_signed, Choice choice, const std::optional<Dense>& dense) {
   if (dense) return run_dense<AB, BB>(p, *dense, vrows, bh, a_signed, stream);
   if constexpr (BB == 8 || BB == 4) {
     const bool ran = a_signed ? launch_resident<AB, true, BB>(p, vrows, bh, nnz_pad, stream, fast, choice)
@@ -478,26 +471,24 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   std::optional<Dense> dense;
   if (!fp16) {
     const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits, bh, choice == Choice::kDenseWgmma);
-    const bool forced = choice == Choice::kDense || choice == Choice::kDenseWgmma;
-    if (d.applies() && (forced || (choice == Choice::kAuto && dense_pays(d, p, bh, nnz_pad))))
+    if (d.applies() && (forces_dense(choice) || (choice == Choice::kAuto && dense_pays(d, p, bh, nnz_pad))))
       dense = Dense{d, col_idx, out};
   }
-  const Dense* dense_call = dense ? &*dense : nullptr;
 
   if (fp16) {
     launch<0, true, 0>(p, vrows, bh, stream, fast);
   } else if (a_bits == 8 && b_bits == 8) {
-    launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense_call);
+    launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense);
   } else if (a_bits == 4 && b_bits == 4) {
-    launch_pair<4, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense_call);
+    launch_pair<4, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense);
   } else if (a_bits >= 12 && b_bits == 8) {
-    launch_pair<16, 8>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense_call);
+    launch_pair<16, 8>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense);
   } else if (a_bits >= 12 && b_bits == 16) {
-    launch_pair<16, 16>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense_call);
+    launch_pair<16, 16>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense);
   } else if (a_bits == 8 && b_bits == 4) {
-    launch_pair<8, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense_call);
+    launch_pair<8, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense);
   } else {
-    launch_pair<16, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense_call);
+    launch_pair<16, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense);
   }
   return out;
 }

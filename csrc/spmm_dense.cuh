@@ -34,13 +34,18 @@ __device__ __forceinline__ int8_t plane_byte(int x, int q, int planes) {
   return static_cast<int8_t>(q + 1 < planes ? (x >> (8 * q)) & 255 : x >> (8 * q));
 }
 
+// The `bits`-wide two's-complement value whose bits x holds (0 <= x < 2^BITS).
+template <int BITS>
+__device__ __forceinline__ int sign_extend(int x) {
+  return x - ((x & (1 << (BITS - 1))) << 1);
+}
+
 // Element e of a container of signed `bits`-wide values (B's; 4-bit ones two to a byte, low
 // nibble first).
 template <int BITS>
 __device__ __forceinline__ int element(const uint8_t* base, int64_t e) {
   if constexpr (BITS == 4) {
-    const int nibble = (base[e >> 1] >> (4 * (e & 1))) & 0xF;
-    return nibble - ((nibble & 8) << 1);
+    return sign_extend<4>((base[e >> 1] >> (4 * (e & 1))) & 0xF);
   } else if constexpr (BITS == 8) {
     return reinterpret_cast<const int8_t*>(base)[e];
   } else {
@@ -60,13 +65,10 @@ struct Quad {
   }
   template <bool SIGNED>
   __device__ static __forceinline__ int value(Word w, int j) {
-    if constexpr (BITS == 16) {
-      const int x = ((j < 2 ? w.x : w.y) >> (16 * (j & 1))) & 0xFFFF;
-      return SIGNED ? x - ((x & 0x8000) << 1) : x;
-    } else {
-      const int x = (w >> (BITS * j)) & ((1 << BITS) - 1);
-      return SIGNED ? x - ((x & (1 << (BITS - 1))) << 1) : x;
-    }
+    int x;
+    if constexpr (BITS == 16) x = ((j < 2 ? w.x : w.y) >> (16 * (j & 1))) & 0xFFFF;
+    else x = (w >> (BITS * j)) & ((1 << BITS) - 1);
+    return SIGNED ? sign_extend<BITS>(x) : x;
   }
 };
 
