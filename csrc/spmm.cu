@@ -228,7 +228,7 @@ void expand(const magicube::spmm_dense::ExpandParams& ep, int64_t bh, cudaStream
                  "spmm: K, N or M too large");
   const dim3 grid(static_cast<unsigned>(ep.vrows + ep.b_tiles), static_cast<unsigned>(strips),
                   static_cast<unsigned>(bh));
-  const size_t smem = std::max<size_t>(static_cast<size_t>(ep.a_planes) * ep.v * ep.strip_cols, dn::kBTileBytes);
+  const size_t smem = std::max<size_t>(static_cast<size_t>(dn::kPlanesOf<AB>) * ep.v * ep.strip_cols, dn::kBTileBytes);
   dn::expand_kernel<AB, AS, BB><<<grid, dn::kExpandThreads, smem, stream>>>(ep);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -250,7 +250,7 @@ void launch_gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, cudaStr
 template <int AB, bool AS, int BB>
 void gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, Gemm which, cudaStream_t stream) {
   namespace dn = magicube::spmm_dense;
-  constexpr int AP = AB > 8 ? 2 : 1, BP = BB > 8 ? 2 : 1;
+  constexpr int AP = dn::kPlanesOf<AB>, BP = dn::kPlanesOf<BB>;
 #ifdef MAGICUBE_SM90A
   using Large = typename dn::WgmmaTiles<AP, BP>::Large;
   using Small = typename dn::WgmmaTiles<AP, BP>::Small;
@@ -291,7 +291,6 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
   ep.m_pad = static_cast<int>(d.m_pad);
   ep.k_pad = static_cast<int>(d.k_pad);
   ep.v = p.v;
-  ep.a_planes = static_cast<int>(d.a_planes);
   ep.strip_cols = static_cast<int>(std::min<int64_t>(d.k_pad, dn::kStripBytes / (d.a_planes * p.v) / dn::kAlign *
                                                                    dn::kAlign));
   ep.b = p.b;
@@ -301,7 +300,6 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
   ep.k = p.k;
   ep.n = p.n;
   ep.n_pad = static_cast<int>(d.n_pad);
-  ep.b_planes = static_cast<int>(d.b_planes);
   ep.n_tiles = static_cast<int>((d.n_pad + dn::kBTile - 1) / dn::kBTile);
   const int64_t b_tiles = ep.n_tiles * ((d.k_pad + dn::kBTile - 1) / dn::kBTile);
   MAGICUBE_CHECK(b_tiles <= INT32_MAX, "spmm: K or N too large");

@@ -29,6 +29,10 @@ constexpr int kAlign = 16;               // rows and columns of the GEMM's opera
 constexpr int kExpandThreads = 256;
 constexpr int kStripBytes = 48 << 10;    // one CTA's dense strip of A (planes x V rows x columns)
 
+// Byte planes of a BITS-wide operand (see the file comment).
+template <int BITS>
+constexpr int kPlanesOf = BITS > 8 ? 2 : 1;
+
 // Plane q of x, one of `planes` (see the file comment), as the byte the GEMM reads.
 __device__ __forceinline__ int8_t plane_byte(int x, int q, int planes) {
   return static_cast<int8_t>(q + 1 < planes ? (x >> (8 * q)) & 255 : x >> (8 * q));
@@ -78,14 +82,14 @@ struct ExpandParams {
   const int* col_idx;
   const uint8_t* a;      // [BH, nnz_pad * V] containers
   int64_t a_bh_bytes;
-  int8_t* a_out;         // [BH, a_planes * m_pad, k_pad]
-  int vrows, m_pad, k_pad, v, a_planes, strip_cols;
+  int8_t* a_out;         // [BH, A's planes * m_pad, k_pad]
+  int vrows, m_pad, k_pad, v, strip_cols;
   // B: 64 x 64 tiles.
   const uint8_t* b;      // [BH, K, row_bytes]
   int64_t b_bh_bytes;
   int row_bytes;
-  int8_t* b_out;         // [BH, b_planes * n_pad, k_pad]: B transposed, K contiguous, zeros past N and K
-  int k, n, n_pad, b_planes, n_tiles, b_tiles;
+  int8_t* b_out;         // [BH, B's planes * n_pad, k_pad]: B transposed, K contiguous, zeros past N and K
+  int k, n, n_pad, n_tiles, b_tiles;
 };
 
 constexpr int kBTile = 64;
@@ -100,11 +104,11 @@ constexpr int kBTileBytes = kBTile * (kBTile + 1) * 4;
 // not the scatter, bounds this part.
 template <int AB, bool AS>
 __device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* strip, int vrow, int bh) {
-  constexpr int kUnroll = 4;
+  constexpr int kUnroll = 4, kPlanes = kPlanesOf<AB>;
   using Q = Quad<AB>;
   const int c0 = blockIdx.y * p.strip_cols;
   const int cols = min(p.strip_cols, p.k_pad - c0);
-  const int rows = p.a_planes * p.v;
+  const int rows = kPlanes * p.v;
   int4* strip16 = reinterpret_cast<int4*>(strip);
   for (int i = threadIdx.x; i < rows * p.strip_cols / 16; i += kExpandThreads) strip16[i] = make_int4(0, 0, 0, 0);
 
@@ -137,8 +141,9 @@ __device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* str
       for (int j = 0; j < 4; ++j)
         if (c[j] >= 0 && c[j] < cols) {
           const int value = Q::template value<AS>(x[u], j);
-          for (int q = 0; q < p.a_planes; ++q)
-            strip[(q * p.v + row) * p.strip_cols + c[j]] = plane_byte(value, q, p.a_planes);
+#pragma unroll
+          for (int q = 0; q < kPlanes; ++q)
+            strip[(q * p.v + row) * p.strip_cols + c[j]] = plane_byte(value, q, kPlanes);
         }
     }
   }
@@ -146,10 +151,11 @@ __device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* str
 
   // Short as it is, this kernel is bound by instruction issue (at M = K = 4096 and 2 or 3 CTAs of
   // work per SM): the loops here keep their index arithmetic out of the per-chunk path.
-  for (int q = 0; q < p.a_planes; ++q)
+#pragma unroll
+  for (int q = 0; q < kPlanes; ++q)
     for (int i = 0; i < p.v; ++i) {
       const int8_t* src = strip + (q * p.v + i) * p.strip_cols;
-      int8_t* dst = p.a_out + ((static_cast<int64_t>(bh) * p.a_planes + q) * p.m_pad +
+      int8_t* dst = p.a_out + ((static_cast<int64_t>(bh) * kPlanes + q) * p.m_pad +
                                static_cast<int64_t>(vrow) * p.v + i) * p.k_pad + c0;
       for (int c = 16 * threadIdx.x; c < cols; c += 16 * kExpandThreads)
         *reinterpret_cast<int4*>(dst + c) = *reinterpret_cast<const int4*>(src + c);
@@ -163,6 +169,7 @@ template <int BB>
 __device__ __forceinline__ void b_planes_tile(const ExpandParams& p, int (*tile)[kBTile + 1], int t, int bh) {
   const int n0 = (t % p.n_tiles) * kBTile, k0 = (t / p.n_tiles) * kBTile;
   const uint8_t* b = p.b + bh * p.b_bh_bytes;
+  constexpr int kPlanes = kPlanesOf<BB>;
   const int tn = threadIdx.x & 63, tk = threadIdx.x >> 6;
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
@@ -172,17 +179,18 @@ __device__ __forceinline__ void b_planes_tile(const ExpandParams& p, int (*tile)
   __syncthreads();
   const int n = n0 + (threadIdx.x >> 2), kq = 16 * (threadIdx.x & 3);
   if (n >= p.n_pad || k0 + kq >= p.k_pad) return;
-  for (int q = 0; q < p.b_planes; ++q) {
+#pragma unroll
+  for (int q = 0; q < kPlanes; ++q) {
     uint32_t w[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       w[j] = 0;
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        w[j] |= static_cast<uint32_t>(static_cast<uint8_t>(plane_byte(tile[kq + 4 * j + i][n - n0], q, p.b_planes)))
+        w[j] |= static_cast<uint32_t>(static_cast<uint8_t>(plane_byte(tile[kq + 4 * j + i][n - n0], q, kPlanes)))
                 << (8 * i);
     }
-    *reinterpret_cast<int4*>(p.b_out + ((static_cast<int64_t>(bh) * p.b_planes + q) * p.n_pad + n) * p.k_pad + k0 +
+    *reinterpret_cast<int4*>(p.b_out + ((static_cast<int64_t>(bh) * kPlanes + q) * p.n_pad + n) * p.k_pad + k0 +
                              kq) = make_int4(w[0], w[1], w[2], w[3]);
   }
 }
@@ -351,10 +359,10 @@ struct DefaultGemmTile<2, 2> {
   using type = GemmTile<2, 2, 32, 16, 4>;
 };
 
-template <int AB, bool AS, int BB, class T = typename DefaultGemmTile<(AB > 8 ? 2 : 1), (BB > 8 ? 2 : 1)>::type>
+template <int AB, bool AS, int BB, class T = typename DefaultGemmTile<kPlanesOf<AB>, kPlanesOf<BB>>::type>
 __global__ void __launch_bounds__(T::kThreads) gemm_kernel(const GemmParams p) {
   constexpr int AP = T::AP, BP = T::BP;
-  static_assert(AP == (AB > 8 ? 2 : 1) && BP == (BB > 8 ? 2 : 1));
+  static_assert(AP == kPlanesOf<AB> && BP == kPlanesOf<BB>);
   constexpr int kMT = T::kWarpM / 16, kNT = T::kWarpN / 8;
   extern __shared__ int4 smem16[];
   const uint32_t smem = smem_addr(smem16);
@@ -494,7 +502,7 @@ template <int AB, bool AS, int BB, class T>
 __global__ void __launch_bounds__(T::kThreads) wgmma_gemm_kernel(const GemmParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int AP = T::AP, BP = T::BP, kN = T::kN, kS = T::kStages;
-  static_assert(AP == (AB > 8 ? 2 : 1) && BP == (BB > 8 ? 2 : 1));
+  static_assert(AP == kPlanesOf<AB> && BP == kPlanesOf<BB>);
   extern __shared__ int4 smem16[];
   const uint32_t smem = (smem_addr(smem16) + 1023) & ~1023u;
   const int bh = blockIdx.z, m0 = blockIdx.y * T::kM, n0 = blockIdx.x * kN;
