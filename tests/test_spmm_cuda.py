@@ -85,14 +85,17 @@ def _scales(bh, m, n, g, a_bits, b_bits):
             (torch.rand(bh, n, generator=g) + 0.01) / 2 ** (b_bits - 1))
 
 
-def _assert_exact(kernels, p, emask, bh, k, n, v, a_bits, a_signed, b_bits, g):
-    """Random operands: the int64 products and the fp16 dequantized output equal the reference's."""
+def _assert_exact(kernels, p, emask, bh, k, n, v, a_bits, a_signed, b_bits, g, where=""):
+    """Random operands: the int64 products and the fp16 dequantized output equal the reference's
+    (`where` names the case in a failure)."""
     a_values, b = _inputs(p, emask, bh, k, n, a_bits, a_signed, b_bits, g)
     got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64)
-    assert torch.equal(got, want), f"{(got != want).sum()} mismatches"
+    assert got.dtype == torch.int64 and got.shape == want.shape
+    assert torch.equal(got, want), f"{where}{(got != want).sum()} mismatches"
     sa, sb = _scales(bh, p.m, n, g, a_bits, b_bits)
     got, want = _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, torch.float16)
-    assert torch.equal(got, want), "fp16 output differs"
+    assert got.dtype == torch.float16
+    assert torch.equal(got, want), f"{where}fp16 output differs"
 
 
 @pytest.mark.parametrize("v", [2, 4, 8])
@@ -101,14 +104,7 @@ def test_integer_exact(kernels, a_bits, b_bits, a_signed, v):
     for i, (bh, rows, k, n) in enumerate(SHAPES):
         g = torch.Generator().manual_seed(1000 * i + v)
         p, emask = problem(bh, rows, k, v, 0.6 + 0.1 * (i % 4), seed=i, shuffle=bool(i % 2))
-        a_values, b = _inputs(p, emask, bh, k, n, a_bits, a_signed, b_bits, g)
-        got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64)
-        assert got.dtype == torch.int64 and got.shape == want.shape
-        assert torch.equal(got, want), f"shape {(bh, rows * v, k, n)}: {(got != want).sum()} mismatches"
-        sa, sb = _scales(bh, p.m, n, g, a_bits, b_bits)
-        got, want = _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, torch.float16)
-        assert got.dtype == torch.float16
-        assert torch.equal(got, want), f"shape {(bh, rows * v, k, n)}: fp16 output differs"
+        _assert_exact(kernels, p, emask, bh, k, n, v, a_bits, a_signed, b_bits, g, f"shape {(bh, rows * v, k, n)}: ")
 
 
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
@@ -185,12 +181,7 @@ def test_output_row_alignment(kernels, a_bits, b_bits, a_signed, n):
     for v in (2, 8):
         g = torch.Generator().manual_seed(n + v)
         p, emask = problem(3, 5, 150, v, 0.6, seed=n)
-        a_values, b = _inputs(p, emask, 3, 150, n, a_bits, a_signed, b_bits, g)
-        got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64)
-        assert torch.equal(got, want), f"v={v}: {(got != want).sum()} mismatches"
-        sa, sb = _scales(3, p.m, n, g, a_bits, b_bits)
-        got, want = _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, torch.float16)
-        assert torch.equal(got, want), f"v={v}: fp16 output differs"
+        _assert_exact(kernels, p, emask, 3, 150, n, v, a_bits, a_signed, b_bits, g, f"v={v}: ")
 
 
 @pytest.mark.parametrize("blocks", [511, 512, 513])
