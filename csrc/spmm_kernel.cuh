@@ -590,10 +590,10 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
 // 54 MB at the SpMM target (M = K = 4096, N = 256, V = 8, sparsity 0.9) against B's 1 MB, and it
 // runs at L2 bandwidth (10.5 us on an H100). Here each CTA reads its slice once (K * 32 bytes)
 // and the gathers become ldmatrix reads of shared memory at gathered row addresses: no copy
-// stage, no barrier after the load. A warp reads the block's column indices (one per lane) and
-// its sparse fragment straight from global memory, kAhead blocks ahead, then per block one
-// shuffle hands every lane the row of the slot its ldmatrix address serves (the same slot order
-// as the copied tile of the gather kernel, so the fragments are identical).
+// stage, no barrier after the load. A warp reads the block's column indices and its sparse
+// fragment straight from global memory, kAhead blocks ahead, each lane the column of the slot its
+// ldmatrix address serves (the same slot order as the copied tile of the gather kernel, so the
+// fragments are identical).
 //
 // Where a row may be long (csrc/long_rows.cuh), a warp's rows add up to an equal share of its
 // (slice, bh)'s blocks (plus one per row, for its epilogue), not a fixed count: with every
@@ -760,11 +760,36 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
     for (int j = 0; j < kAhead; ++j) {
       const int blk = blk0 + j;
       const bool in = blk < row.nblocks;
-      col_next[j] = in ? cols[blk * kSlots + lane] : -1;
+      col_next[j] = in ? cols[blk * kSlots + my_slot] : -1;
       const uint8_t* a_blk = a_row + (int64_t)blk * v * K::kSparseRowBytes;
       load_sparse_words<K>(g, t, row_live && in,
                            [&](int off) { return *reinterpret_cast<const uint32_t*>(a_blk + off); },
                            [&](int off) { return *reinterpret_cast<const uint2*>(a_blk + off); }, a_next[j]);
+    }
+  };
+
+  // Block j's dense fragments: its slots' rows of the slice, read where this lane's ldmatrix
+  // address serves (dead slots, padding, read the zero row K).
+  auto load_block = [&](int col, uint32_t (&q)[kChunks][4]) {
+    const int krow = col >= 0 && col < p.k ? col : p.k;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) ldsm_x4_trans(slice0 + slice_offset(krow, c), q[c][0], q[c][1], q[c][2], q[c][3]);
+  };
+  auto multiply = [&](const uint32_t (&q)[kChunks][4], const SparseWords<K>& a, Accumulators<AB, AS, BB, kMT>& r) {
+    uint32_t sb[K::kAPlanes][2];
+    sparse_fragment<K>(a, sb);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      if constexpr (BB == 8) {
+        uint32_t da[1][4];
+        dense8_fragment(q[c], da);
+        r.mma(c, da, sb);
+      } else {
+        uint32_t lo[1][4], hi[1][4];
+        dense4_fragments(q[c], lo, hi);
+        r.mma(2 * c, lo, sb);
+        r.mma(2 * c + 1, hi, sb);
+      }
     }
   };
 
@@ -799,29 +824,29 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
         }
         if (blk0 + kAhead < row.nblocks) fetch(row, blk0 + kAhead);
         else if (has_next) fetch(row_at(i + 1), 0);
+        if (blk0 + kAhead <= row.nblocks) {
+          // A whole group runs without a branch, every block's shared-memory reads before the first
+          // product, so that their latencies overlap (one block at a time, a warp waited for each
+          // block's chain of column index, ldmatrix and product).
+          uint32_t q[kAhead][kChunks][4];
+#pragma unroll
+          for (int j = 0; j < kAhead; ++j) load_block(col[j], q[j]);
+#pragma unroll
+          for (int j = 0; j < kAhead; ++j) multiply(q[j], a[j], r);
+          // kFlushBlocks is a multiple of kAhead, and groups start at multiples of kAhead.
+          since_fold += kAhead;
+          if (since_fold == kFlushBlocks) {
+            r.fold();
+            since_fold = 0;
+          }
+          continue;
+        }
 #pragma unroll
         for (int j = 0; j < kAhead; ++j) {
           if (blk0 + j >= row.nblocks) break;
-          // Dead slots (padding) read the zero row K.
-          const int live = col[j] >= 0 && col[j] < p.k ? col[j] : p.k;
-          const int krow = __shfl_sync(0xffffffffu, live, my_slot);
-          uint32_t sb[K::kAPlanes][2];
-          sparse_fragment<K>(a[j], sb);
-#pragma unroll
-          for (int c = 0; c < kChunks; ++c) {
-            uint32_t q[4];
-            ldsm_x4_trans(slice0 + slice_offset(krow, c), q[0], q[1], q[2], q[3]);
-            if constexpr (BB == 8) {
-              uint32_t da[1][4];
-              dense8_fragment(q, da);
-              r.mma(c, da, sb);
-            } else {
-              uint32_t lo[1][4], hi[1][4];
-              dense4_fragments(q, lo, hi);
-              r.mma(2 * c, lo, sb);
-              r.mma(2 * c + 1, hi, sb);
-            }
-          }
+          uint32_t q[kChunks][4];
+          load_block(col[j], q);
+          multiply(q, a[j], r);
           if (++since_fold == kFlushBlocks) {
             r.fold();
             since_fold = 0;
