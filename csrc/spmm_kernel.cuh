@@ -825,9 +825,10 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
         if (blk0 + kAhead < row.nblocks) fetch(row, blk0 + kAhead);
         else if (has_next) fetch(row_at(i + 1), 0);
         if (blk0 + kAhead <= row.nblocks) {
-          // A whole group runs without a branch, every block's shared-memory reads before the first
-          // product, so that their latencies overlap (one block at a time, a warp waited for each
-          // block's chain of column index, ldmatrix and product).
+          // A whole group runs without a branch, so ptxas schedules its blocks' shared-memory
+          // reads and products as one stretch (block by block, with the unrolled loop's break and
+          // the fold check between them, a warp waited out each block's chain of shuffle,
+          // ldmatrix and products).
           uint32_t q[kAhead][kChunks][4];
 #pragma unroll
           for (int j = 0; j < kAhead; ++j) load_block(col[j], q[j]);
