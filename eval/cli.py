@@ -1,4 +1,4 @@
-"""The `magicube` command: data, train, finetune, evaluate, bench, build, demo."""
+"""The `magicube` command: data, train, finetune, evaluate, bench, build, table, compare, demo."""
 from __future__ import annotations
 
 import argparse
@@ -139,7 +139,13 @@ def _cmd_table(args) -> int:
     return table.main(args.rest)
 
 
-PASS_THROUGH = ("bench", "build", "table")  # their own parsers take the remaining arguments
+def _cmd_compare(args) -> int:
+    from magicube.eval import compare
+
+    return compare.main(args.rest)
+
+
+PASS_THROUGH = ("bench", "build", "table", "compare")  # their own parsers take the remaining arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -201,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     tb = sub.add_parser("table", add_help=False, help="the paper's accuracy table (Table V) from evaluation reports "
                        "(magicube table --help)")
     tb.set_defaults(func=_cmd_table)
+    cm = sub.add_parser("compare", add_help=False, help="two runs of a kernel benchmark, time against time cell by "
+                        "cell (magicube compare --help)")
+    cm.set_defaults(func=_cmd_compare)
 
     m = sub.add_parser("demo", help="generate a small ListOps set, train the tiny config, evaluate every backend, "
                        "quantization-finetune one precision and evaluate it")
