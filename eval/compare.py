@@ -21,7 +21,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from magicube.eval.evaluate import report_paths
+from magicube.eval.evaluate import write_markdown_and_json
 
 # Record fields that name a cell (those a record has): what it runs, then its shape and pattern.
 IDENTITY = ("section", "kernel", "method", "kind", "mask", "b", "h", "seq", "d", "bh", "m", "k", "n", "v",
@@ -105,10 +105,7 @@ def main(argv=None) -> int:
     text = to_markdown(result)
     print(text, end="")
     if args.out:
-        md, js = report_paths(args.out)
-        md.parent.mkdir(parents=True, exist_ok=True)
-        md.write_text(text)
-        js.write_text(json.dumps(result, indent=2) + "\n")
+        write_markdown_and_json(text, result, args.out)
     return 0
 
 

@@ -144,10 +144,15 @@ def report_paths(out: str | Path) -> tuple[Path, Path]:
     return out.with_name(out.name + ".md"), out.with_name(out.name + ".json")
 
 
-def write_report(report: dict, out: str | Path) -> tuple[Path, Path]:
-    """Write `<out>.md` and `<out>.json`."""
+def write_markdown_and_json(text: str, data: dict, out: str | Path) -> tuple[Path, Path]:
+    """Write `text` to `<out>.md` and `data` to `<out>.json`."""
     md, js = report_paths(out)
     md.parent.mkdir(parents=True, exist_ok=True)
-    md.write_text(to_markdown(report))
-    js.write_text(json.dumps(report, indent=2) + "\n")
+    md.write_text(text)
+    js.write_text(json.dumps(data, indent=2) + "\n")
     return md, js
+
+
+def write_report(report: dict, out: str | Path) -> tuple[Path, Path]:
+    """Write `<out>.md` and `<out>.json`."""
+    return write_markdown_and_json(to_markdown(report), report, out)

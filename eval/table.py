@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from magicube.eval.evaluate import report_paths
+from magicube.eval.evaluate import write_markdown_and_json
 from magicube.model.lra import QUANTIZED
 
 DENSE_ROWS = {"dense": "dense fp32", "dense-fp16": "dense fp16"}
@@ -110,10 +110,7 @@ def main(argv=None) -> int:
     text = to_markdown(table)
     print(text)
     if args.out:
-        md, js = report_paths(args.out)
-        md.parent.mkdir(parents=True, exist_ok=True)
-        md.write_text(text)
-        js.write_text(json.dumps(table, indent=2) + "\n")
+        write_markdown_and_json(text, table, args.out)
     return 0
 
 
