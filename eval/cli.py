@@ -207,8 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     tb = sub.add_parser("table", add_help=False, help="the paper's accuracy table (Table V) from evaluation reports "
                        "(magicube table --help)")
     tb.set_defaults(func=_cmd_table)
-    cm = sub.add_parser("compare", add_help=False, help="two runs of a kernel benchmark, time against time cell by "
-                        "cell (magicube compare --help)")
+    cm = sub.add_parser("compare", add_help=False, help="two runs of a benchmark, time against time cell by cell "
+                        "(magicube compare --help)")
     cm.set_defaults(func=_cmd_compare)
 
     m = sub.add_parser("demo", help="generate a small ListOps set, train the tiny config, evaluate every backend, "

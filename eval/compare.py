@@ -1,4 +1,4 @@
-"""Two runs of one kernel benchmark, cell by cell.
+"""Two runs of one benchmark, cell by cell.
 
     magicube compare eval/results/spmm_nvidia_h200.json new/spmm_nvidia_h200.json [--by v]
 
@@ -10,7 +10,10 @@ time, overall and by one of the cells' parameters (sparsity by default). Under 1
 baselines are kernels of their own in the table, so their drift shows beside ours.
 
 Cells are matched on the parameters that name them (`IDENTITY`); a cell that only one run timed
-is counted, not compared. Times are `median_ms` where a benchmark records it, else `ms`.
+is counted, not compared. Times are `median_ms` where a benchmark records it, else `ms`. A
+`magicube bench` JSON gives each backend's model and layer as two kernels; compare runs of the
+same options (`--cuda-graph`, `--compile`, `--scales`), which the JSON records but this does not
+match.
 """
 from __future__ import annotations
 
@@ -34,12 +37,23 @@ def _time(record: dict) -> float | None:
     return t if isinstance(t, (int, float)) and t > 0 else None
 
 
+def _records(run: dict, where: str) -> list[dict]:
+    """The kernel benchmarks' records; `magicube bench`'s rows as two records each, the model and
+    the layer of one backend."""
+    if isinstance(run.get("records"), list):
+        return run["records"]
+    if isinstance(run.get("rows"), list):
+        return [{"kernel": f"{row['backend']} {part}", "b": row.get("batch"), "seq": row.get("length"),
+                 "h": row.get("heads"), "sparsity": row.get("sparsity"), "v": row.get("v"),
+                 "median_ms": row[part].get("median_ms")}
+                for row in run["rows"] for part in ("model", "layer") if isinstance(row.get(part), dict)]
+    raise ValueError(f"{where}: neither 'records' (bench_spmm, bench_sddmm, bench_attention) nor 'rows' "
+                     "(magicube bench)")
+
+
 def _cells(run: dict, where: str) -> dict[tuple, dict]:
-    records = run.get("records")
-    if not isinstance(records, list):
-        raise ValueError(f"{where}: no 'records' list (bench_spmm, bench_sddmm and bench_attention write one)")
     cells = {}
-    for r in records:
+    for r in _records(run, where):
         if _time(r) is not None and any(label in r for label in LABELS):
             cells[tuple((f, r[f]) for f in IDENTITY if f in r)] = r
     return cells
@@ -90,7 +104,8 @@ def to_markdown(result: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="magicube compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("old", type=Path, help="a benchmark JSON (bench_spmm, bench_sddmm, bench_attention)")
+    parser.add_argument("old", type=Path, help="a benchmark JSON (bench_spmm, bench_sddmm, bench_attention, "
+                        "magicube bench)")
     parser.add_argument("new", type=Path, help="a JSON of the same benchmark to compare with it")
     parser.add_argument("--by", default="sparsity", help="the cell parameter of the columns (default: sparsity)")
     parser.add_argument("--out", type=Path, help="path without suffix: .md and .json are written")

@@ -57,8 +57,21 @@ def test_median_ms_is_the_time_where_recorded():
 def test_runs_without_common_cells_or_records_are_refused():
     with pytest.raises(ValueError, match="no cell in common"):
         compare(run(OLD, "a"), {"records": [{"kernel": "L4-R4", "m": 64, "ms": 1.0}]})
-    with pytest.raises(ValueError, match="no 'records' list"):
-        compare({"rows": []}, run(OLD, "b"))
+    with pytest.raises(ValueError, match="neither 'records'"):
+        compare({"results": []}, run(OLD, "b"))
+
+
+def test_model_bench_rows_are_a_model_and_a_layer_kernel_each():
+    def bench(layer_ms: float) -> dict:
+        shape = {"batch": 8, "length": 4096, "heads": 4, "sparsity": 0.9, "v": 8}
+        return {"environment": {}, "cuda_graph": True,
+                "rows": [{"backend": "dense", **shape, "model": {"median_ms": 4.0}, "layer": {"median_ms": 0.3}},
+                         {"backend": "8b-8b", **shape, "model": {"median_ms": 3.0}, "layer": {"median_ms": layer_ms}}]}
+
+    rows = compare(bench(0.2), bench(0.15))["rows"]
+    assert set(rows) == {"dense model", "dense layer", "8b-8b model", "8b-8b layer"}
+    assert rows["8b-8b layer"]["all"] == pytest.approx(0.75) and rows["dense layer"]["all"] == pytest.approx(1.0)
+    assert rows["8b-8b model"]["by"] == pytest.approx({"0.9": 1.0})
 
 
 def test_command_prints_and_writes_the_table(tmp_path, capsys):
