@@ -199,8 +199,10 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // product), on wgmma 1.05, 1.9 and 3.3 for one, two and four products (2.5 for four in the smaller
 // tile). Choosing by the two estimates took 0.31-0.35 % more time than the faster way on the
 // geometric mean over those cells, at most 31 % in one. The expansion has since run 1.1-1.5x
-// faster (c3870c0), so the dense estimates are high by up to its saving (not refitted). A's planes
-// are capped at 1 GiB: past that the gather kernels run, slower, instead of the allocator failing.
+// faster (c3870c0), so the dense estimates run high by up to its saving; refitted on the faster
+// expansion they chose no better (0.37 % against these constants' 0.32 %, thirty-fifth round). A's
+// planes are capped at 1 GiB: past that the gather kernels run, slower, instead of the allocator
+// failing.
 bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pad) {
   constexpr double kMega = 1e-6;
   constexpr int64_t kMaxWorkspace = int64_t{1} << 30;

@@ -38,7 +38,7 @@ __device__ __forceinline__ int8_t plane_byte(int x, int q, int planes) {
   return static_cast<int8_t>(q + 1 < planes ? (x >> (8 * q)) & 255 : x >> (8 * q));
 }
 
-// The `bits`-wide two's-complement value whose bits x holds (0 <= x < 2^BITS).
+// The BITS-wide two's-complement value whose bits x holds (0 <= x < 2^BITS).
 template <int BITS>
 __device__ __forceinline__ int sign_extend(int x) {
   return x - ((x & (1 << (BITS - 1))) << 1);
