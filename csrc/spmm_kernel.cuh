@@ -845,16 +845,14 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
           }
           continue;
         }
+        // The last, partial group: under kAhead blocks past a multiple of kAhead, so under
+        // kFlushBlocks since the last fold.
 #pragma unroll
         for (int j = 0; j < kAhead; ++j) {
           if (blk0 + j >= row.nblocks) break;
           uint32_t q[kChunks][4];
           load_block(col[j], q);
           multiply(q, a[j], r);
-          if (++since_fold == kFlushBlocks) {
-            r.fold();
-            since_fold = 0;
-          }
         }
       }
       if (row.vrow >= 0)
