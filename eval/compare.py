@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -65,21 +65,19 @@ def compare(old: dict, new: dict, by: str = "sparsity") -> dict:
     common = a.keys() & b.keys()
     if not common:
         raise ValueError("the two runs time no cell in common (different benchmarks or configurations?)")
-    logs: dict[str, dict] = defaultdict(lambda: defaultdict(list))
+    ratios: dict[str, dict] = defaultdict(lambda: defaultdict(list))
     for key in common:
         label = " / ".join(str(b[key][f]) for f in ("section", *LABELS) if f in b[key])
-        ratio = math.log(_time(b[key]) / _time(a[key]))
-        logs[label]["all"].append(ratio)
+        ratio = _time(b[key]) / _time(a[key])
+        ratios[label]["all"].append(ratio)
         if by in b[key]:
-            logs[label][b[key][by]].append(ratio)
+            ratios[label][b[key][by]].append(ratio)
 
-    def geomean(xs):
-        return math.exp(sum(xs) / len(xs))
-
-    groups = sorted({g for per in logs.values() for g in per if g != "all"}, key=lambda g: (str(type(g)), g))
+    geomean = statistics.geometric_mean
+    groups = sorted({g for per in ratios.values() for g in per if g != "all"}, key=lambda g: (str(type(g)), g))
     rows = {label: {"cells": len(per["all"]), "all": geomean(per["all"]),
                     "by": {str(g): geomean(per[g]) for g in groups if g in per}}
-            for label, per in sorted(logs.items())}
+            for label, per in sorted(ratios.items())}
     return {"old": _environment(old), "new": _environment(new), "by": by, "groups": [str(g) for g in groups],
             "rows": rows, "only_old": len(a.keys() - common), "only_new": len(b.keys() - common)}
 
