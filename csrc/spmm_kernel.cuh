@@ -632,12 +632,14 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
   const int bh = blockIdx.z;
   const int byte0 = blockIdx.y * kResidentSliceBytes;
   const uint8_t* b_bh = p.b + bh * p.b_bh_bytes;
+  // Where chunk `chunk` of B row `row` lies (the layout above).
   const uint32_t chunk_bytes = (p.k + 1) * 16;
+  auto slice_at = [&](uint32_t row, int chunk) { return slice0 + chunk * chunk_bytes + row * 16; };
   for (int i = threadIdx.x; i < kChunks * (p.k + 1); i += kResidentThreads) {
     const int row = i / kChunks, chunk = i % kChunks;
     const int byte = byte0 + 16 * chunk;
     const bool in = row < p.k && byte < p.row_bytes;
-    cp_async16(slice0 + chunk * chunk_bytes + row * 16, in ? b_bh + (int64_t)row * p.row_bytes + byte : p.b, in ? 16 : 0);
+    cp_async16(slice_at(row, chunk), in ? b_bh + (int64_t)row * p.row_bytes + byte : p.b, in ? 16 : 0);
   }
   cp_async_commit();
 
@@ -773,9 +775,9 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
   // Block j's dense fragments: its slots' rows of the slice, read where this lane's ldmatrix
   // address serves (dead slots, padding -1, read the zero row K: as unsigned, -1 lies past K).
   auto load_block = [&](int col, uint32_t (&q)[kChunks][4]) {
-    const uint32_t row0 = slice0 + min(static_cast<unsigned>(col), static_cast<unsigned>(p.k)) * 16;
+    const uint32_t krow = min(static_cast<unsigned>(col), static_cast<unsigned>(p.k));
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) ldsm_x4_trans(row0 + c * chunk_bytes, q[c][0], q[c][1], q[c][2], q[c][3]);
+    for (int c = 0; c < kChunks; ++c) ldsm_x4_trans(slice_at(krow, c), q[c][0], q[c][1], q[c][2], q[c][3]);
   };
   auto multiply = [&](const uint32_t (&q)[kChunks][4], const SparseWords<K>& a, Accumulators<AB, AS, BB, kMT>& r) {
     uint32_t sb[K::kAPlanes][2];
@@ -828,9 +830,8 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
         else if (has_next) fetch(row_at(i + 1), 0);
         if (blk0 + kAhead <= row.nblocks) {
           // A whole group runs without a branch, so ptxas schedules its blocks' shared-memory
-          // reads and products as one stretch (block by block, with the unrolled loop's break and
-          // the fold check between them, a warp waited out each block's chain of shuffle,
-          // ldmatrix and products).
+          // reads and products as one stretch (block by block, as the last group runs, a warp
+          // waits out each block's chain of ldmatrix and products).
           uint32_t q[kAhead][kChunks][4];
 #pragma unroll
           for (int j = 0; j < kAhead; ++j) load_block(col[j], q[j]);
