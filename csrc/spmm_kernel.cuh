@@ -758,15 +758,17 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
   // lie at fixed 32-bit strides from them (a row's blocks are far under 2 GB).
   auto fetch = [&](const Row& row, int blk0) {
     const int* cols = p.col_idx + row.start + blk0 * kSlots + my_slot;
+    // This lane's row g of the group's first block (load_sparse_words adds only 4 t and the
+    // word's fixed offset).
     const uint8_t* a_grp = a_bh + ((int64_t)row.start * v * K::kSparseRowBytes / kSlots +
-                                   static_cast<uint32_t>(blk0 * v * K::kSparseRowBytes));
+                                   static_cast<uint32_t>((blk0 * v + g) * K::kSparseRowBytes));
     const uint32_t a_step = static_cast<uint32_t>(v * K::kSparseRowBytes);
 #pragma unroll
     for (int j = 0; j < kAhead; ++j) {
       const bool in = blk0 + j < row.nblocks;
       col_next[j] = in ? cols[j * kSlots] : -1;
       const uint8_t* a_blk = a_grp + j * a_step;
-      load_sparse_words<K>(g, t, row_live && in,
+      load_sparse_words<K>(0, t, row_live && in,
                            [&](int off) { return *reinterpret_cast<const uint32_t*>(a_blk + off); },
                            [&](int off) { return *reinterpret_cast<const uint2*>(a_blk + off); }, a_next[j]);
     }
