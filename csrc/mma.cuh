@@ -158,8 +158,6 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
-// Shared memory written by the generic proxy (cp.async included) and read next by wgmma.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Thread t of the warpgroup holds, of each n8 block j of D, d[4j], d[4j + 1] at row 16 (t / 32) +
 // (t % 32) / 4, columns 8j + 2 (t % 4) and the next, and d[4j + 2], d[4j + 3] eight rows down.
@@ -203,6 +201,49 @@ __device__ __forceinline__ void wgmma_k32(int (&d)[N / 2], uint64_t a, uint64_t 
 #undef MAGICUBE_WGMMA_N128
 #undef MAGICUBE_WGMMA_N64
 #undef MAGICUBE_D8
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Hopper's tensor memory accelerator (TMA) and its transaction barriers (sm_90; the calling code
+// guards on __CUDA_ARCH__).
+
+// A barrier in shared memory that `count` arrivals and the bytes named by expect_tx complete.
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes barriers just initialized visible to the asynchronous copies that complete on them.
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One arrival.
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// One arrival, and `bytes` more to come from asynchronous copies before the phase completes.
+__device__ __forceinline__ void mbarrier_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Waits until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// The box of a 3-D tensor map (`map`, a __grid_constant__ kernel parameter) at coordinates (x, y, z),
+// innermost first, into shared memory at `dst`, completing its bytes on barrier `bar`.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int x, int y, int z, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(dst),
+      "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar)
+      : "memory");
 }
 
 }  // namespace magicube

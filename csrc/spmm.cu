@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
+#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -196,8 +197,9 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // per million stored values (A's slots, read once per row of a vector) + per GOP of one plane
 // product (2 M N K): 1.45 through cuBLAS (once per batch x head, about 2 more each after the
 // first); in our GEMM on mma.sync 3.10 or 4.60 for two or four products (1.57 for one unsigned
-// product), on wgmma 1.05, 1.9 and 3.3 for one, two and four products (2.5 for four in the smaller
-// tile). Choosing by the two estimates took 0.31-0.35 % more time than the faster way on the
+// product), on wgmma 1.05, 1.9 and 2.9 for one, two and four products (2.5 for four in the smaller
+// tile; 2.9 was a fitted 3.3 before the GEMM's stages came by TMA, which took the larger tile's four
+// products 0.85-0.88x the time, thirty-seventh round). Choosing by the two estimates took 0.31-0.35 % more time than the faster way on the
 // geometric mean over those cells, at most 31 % in one. The expansion has since run 1.1-1.5x
 // faster (c3870c0), so the dense estimates run high by up to its saving; refitted on the faster
 // expansion they chose no better (0.37 % against these constants' 0.32 %, thirty-fifth round). A's
@@ -213,7 +215,7 @@ bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pa
   double per_gop;
   if (d.cublas()) per_gop = 1.45;
   else if (d.gemm == Gemm::kMma) per_gop = products == 1 ? 1.57 : products == 2 ? 3.10 : 4.60;
-  else per_gop = products == 1 ? 1.05 : products == 2 ? 1.9 : d.gemm == Gemm::kWgmmaLarge ? 3.3 : 2.5;
+  else per_gop = products == 1 ? 1.05 : products == 2 ? 1.9 : d.gemm == Gemm::kWgmmaLarge ? 2.9 : 2.5;
   const double values_m = 1.0 * nnz_pad * p.v * kMega;
   const double dense_us = 10.2 + (d.cublas() ? 2.0 * (bh - 1) : 0.0) +
                           bh * (0.35 * a_mb + per_gop * product_gop + 1.58 * values_m);
@@ -236,18 +238,61 @@ void expand(const magicube::spmm_dense::ExpandParams& ep, int64_t bh, cudaStream
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// One GEMM kernel with tile T, over a grid of T's output tiles x batch x head.
-template <class T, auto Kernel>
-void launch_gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, cudaStream_t stream) {
+// One GEMM kernel with tile T, over a grid of T's output tiles x batch x head; `maps` are the
+// wgmma GEMM's tensor maps.
+template <class T, auto Kernel, class... Maps>
+void launch_gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, cudaStream_t stream, const Maps&... maps) {
   MAGICUBE_CHECK(T::kSmemBytes <= magicube::max_dynamic_smem<Kernel>(), "spmm: the dense path's GEMM needs ",
                  T::kSmemBytes, " bytes of shared memory a CTA, more than this GPU has");
   const int64_t m_tiles = (gp.m_pad + T::kM - 1) / T::kM, n_tiles = (gp.n_pad + T::kN - 1) / T::kN;
   MAGICUBE_CHECK(m_tiles <= 65535 && n_tiles <= INT32_MAX, "spmm: M or N too large");
   // N's tiles of one row of tiles run side by side, so A's rows come from memory once, then from L2.
   const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(m_tiles), static_cast<unsigned>(bh));
-  Kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(gp);
+  Kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(gp, maps...);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
+
+#ifdef MAGICUBE_SM90A
+// The driver's tensor-map encoder, looked up once through the runtime (the extension does not link
+// the driver library).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    MAGICUBE_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
+                   "spmm: the CUDA driver does not provide cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// The TMA's view of byte planes [matrices][rows][k_pad], in boxes of 128 bytes of K x `box_rows`
+// rows with the 128-byte swizzle (spmm_dense.cuh: wgmma_gemm_kernel).
+CUtensorMap plane_map(const int8_t* planes, int64_t matrices, int64_t rows, int64_t k_pad, int box_rows) {
+  namespace dn = magicube::spmm_dense;
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(k_pad), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(matrices)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(k_pad), static_cast<cuuint64_t>(rows * k_pad)};
+  const cuuint32_t box[3] = {dn::kStepBytes, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t steps[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<int8_t*>(planes), dims,
+                                          strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MAGICUBE_CHECK(r == CUDA_SUCCESS, "spmm: encoding a tensor map of the dense path's planes failed (CUresult ",
+                 static_cast<int>(r), ")");
+  return map;
+}
+
+// The wgmma GEMM with tile T.
+template <class T, auto Kernel>
+void launch_wgmma_gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, cudaStream_t stream) {
+  launch_gemm<T, Kernel>(gp, bh, stream, plane_map(gp.a, bh * T::AP, gp.m_pad, gp.k_pad, T::kM),
+                         plane_map(gp.b, bh * T::BP, gp.n_pad, gp.k_pad, T::kN));
+}
+#endif
 
 // The GEMM of the planes with its recombining epilogue, as pick_gemm chose.
 template <int AB, bool AS, int BB>
@@ -257,8 +302,10 @@ void gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, Gemm which, cu
 #ifdef MAGICUBE_SM90A
   using Large = typename dn::WgmmaTiles<AP, BP>::Large;
   using Small = typename dn::WgmmaTiles<AP, BP>::Small;
-  if (which == Gemm::kWgmmaLarge) return launch_gemm<Large, dn::wgmma_gemm_kernel<AB, AS, BB, Large>>(gp, bh, stream);
-  if (which == Gemm::kWgmmaSmall) return launch_gemm<Small, dn::wgmma_gemm_kernel<AB, AS, BB, Small>>(gp, bh, stream);
+  if (which == Gemm::kWgmmaLarge)
+    return launch_wgmma_gemm<Large, dn::wgmma_gemm_kernel<AB, AS, BB, Large>>(gp, bh, stream);
+  if (which == Gemm::kWgmmaSmall)
+    return launch_wgmma_gemm<Small, dn::wgmma_gemm_kernel<AB, AS, BB, Small>>(gp, bh, stream);
 #endif
   using T = typename dn::DefaultGemmTile<AP, BP>::type;
   launch_gemm<T, dn::gemm_kernel<AB, AS, BB, T>>(gp, bh, stream);

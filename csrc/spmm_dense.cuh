@@ -16,8 +16,10 @@
 // take one plane and 12- and 16-bit ones two (with signed bytes only, 16-bit values took three).
 #pragma once
 
-#include <cstdint>
+#include <cuda.h>
 #include <cuda_fp16.h>
+
+#include <cstdint>
 #include <type_traits>
 
 #include "mma.cuh"
@@ -265,11 +267,11 @@ struct GemmParams {
 // Both GEMMs stage K in 128-byte steps: row r of a stage holds 128 bytes of one operand row (A's
 // planes' rows, then B's), its 16-byte chunk c at chunk c ^ (r % 8). ldmatrix reads one chunk
 // column of 8 consecutive rows, which this puts in 8 different bank groups, and it is the 128-byte
-// swizzle that wgmma's descriptors name (8-row atoms of 1024 bytes).
+// swizzle that wgmma's descriptors and the TMA name (8-row atoms of 1024 bytes).
 constexpr int kStepBytes = 128;
 __device__ __forceinline__ uint32_t stage_offset(int r, int c) { return r * kStepBytes + 16 * (c ^ (r & 7)); }
 
-// A CTA's copies into its ring of stages (tile T): thread i copies chunk i % 8 of rows i / 8 + j
+// The mma.sync GEMM's copies into its ring of stages (tile T): thread i copies chunk i % 8 of rows i / 8 + j
 // kThreads / 8 of every stage (kThreads / 8 is a multiple of 8, so the chunk's place in its row is
 // the same for every j), from sources computed once (null past the operand's padded rows).
 template <class T>
@@ -490,44 +492,69 @@ __device__ __forceinline__ void keep_in_place(int (&acc)[A][B][N]) {
 
 // The GEMM on Hopper: WGS warpgroups, each 64 rows x N columns of every plane product by wgmma
 // from shared memory, over K in 128-byte steps (one swizzle row) through a ring of STAGES stages
-// filled by cp.async from every thread.
+// that a producer warp fills by the tensor memory accelerator (TMA), as far ahead as the ring
+// allows.
 template <int AP_, int BP_, int WGS, int BN, int STAGES>
 struct WgmmaTile {
   static constexpr int AP = AP_, BP = BP_, kN = BN, kStages = STAGES;
-  static constexpr int kThreads = 128 * WGS, kM = 64 * WGS;
+  static constexpr int kMathThreads = 128 * WGS, kThreads = kMathThreads + 32, kM = 64 * WGS;
   static constexpr int kStageBytes = (AP * kM + BP * kN) * kStepBytes;
-  static constexpr int kSmemBytes = STAGES * kStageBytes + 1024;  // and the atoms' 1024-byte alignment
-  static_assert(STAGES >= 3 && (BN == 64 || BN == 128));
+  // The stages, two barriers each, and the atoms' 1024-byte alignment.
+  static constexpr int kSmemBytes = STAGES * kStageBytes + 16 * STAGES + 1024;
+  static_assert(STAGES >= 2 && (BN == 64 || BN == 128));
 };
 
+// `a_map`, `b_map`: the TMA's views of A's and B's planes, [BH x planes][rows][k_pad] bytes in
+// boxes of 128 bytes of K x kM (A) or kN (B) rows, zeros past the padded rows and K, stored with
+// the 128-byte swizzle (csrc/spmm.cu: plane_map).
 template <int AB, bool AS, int BB, class T>
-__global__ void __launch_bounds__(T::kThreads) wgmma_gemm_kernel(const GemmParams p) {
+__global__ void __launch_bounds__(T::kThreads)
+    wgmma_gemm_kernel(const GemmParams p, const __grid_constant__ CUtensorMap a_map,
+                      const __grid_constant__ CUtensorMap b_map) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int AP = T::AP, BP = T::BP, kN = T::kN, kS = T::kStages;
   static_assert(AP == kPlanesOf<AB> && BP == kPlanesOf<BB>);
   extern __shared__ int4 smem16[];
   const uint32_t smem = (smem_addr(smem16) + 1023) & ~1023u;
+  // Slot s is full once its tile has landed, and empty once every warpgroup has multiplied it.
+  const uint32_t full = smem + kS * T::kStageBytes, empty = full + 8 * kS;
   const int bh = blockIdx.z, m0 = blockIdx.y * T::kM, n0 = blockIdx.x * kN;
-  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-
-  const StageCopies<T> copies(p, bh, m0, n0);
   const int k_tiles = (p.k_pad + kStepBytes - 1) / kStepBytes;
-
-  // The ring: tile t is multiplied while tiles t + 1 .. t + kS - 2 are in flight; the slot that
-  // tile t + kS - 2 takes is tile t - 2's, whose wgmmas every warpgroup has waited for before the
-  // barrier (tile t - 1's may still run).
-  int acc[AP][BP][kN / 2] = {};
-#pragma unroll
-  for (int t = 0; t < kS - 2; ++t) {
-    if (t < k_tiles) copies.load(p, smem, t);
-    cp_async_commit();
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kS; ++s) {
+      mbarrier_init(full + 8 * s, 1);
+      mbarrier_init(empty + 8 * s, T::kMathThreads / 128);
+    }
+    fence_mbarrier_init();
   }
+  __syncthreads();
+
+  if (threadIdx.x >= T::kMathThreads) {
+    // The producer warp, one lane: tile u into slot u % kS once every warpgroup is done with the
+    // slot's tile u - kS.
+    if (threadIdx.x == T::kMathThreads) {
+      for (int u = 0; u < k_tiles; ++u) {
+        const int s = u % kS;
+        if (u >= kS) mbarrier_wait(empty + 8 * s, (u / kS - 1) & 1);
+        const uint32_t stage = smem + s * T::kStageBytes, bar = full + 8 * s;
+        mbarrier_expect_tx(bar, T::kStageBytes);
+#pragma unroll
+        for (int qa = 0; qa < AP; ++qa)
+          tma_load_3d(stage + qa * T::kM * kStepBytes, &a_map, u * kStepBytes, m0, bh * AP + qa, bar);
+#pragma unroll
+        for (int qb = 0; qb < BP; ++qb)
+          tma_load_3d(stage + (AP * T::kM + qb * kN) * kStepBytes, &b_map, u * kStepBytes, n0, bh * BP + qb, bar);
+      }
+    }
+    return;
+  }
+
+  // The math warpgroups: tile t while tile t - 1's wgmmas may still run; once they have, its slot
+  // is released (one arrival a warpgroup).
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  int acc[AP][BP][kN / 2] = {};
   for (int t = 0; t < k_tiles; ++t) {
-    cp_async_wait<kS - 3>();
-    fence_proxy_async();
-    __syncthreads();
-    if (t + kS - 2 < k_tiles) copies.load(p, smem, t + kS - 2);
-    cp_async_commit();
+    mbarrier_wait(full + 8 * (t % kS), (t / kS) & 1);
     const uint32_t stage = smem + (t % kS) * T::kStageBytes;
     keep_in_place(acc);
     wgmma_fence();
@@ -543,6 +570,7 @@ __global__ void __launch_bounds__(T::kThreads) wgmma_gemm_kernel(const GemmParam
     wgmma_commit();
     keep_in_place(acc);
     wgmma_wait<1>();
+    if (t > 0 && (threadIdx.x & 127) == 0) mbarrier_arrive(empty + 8 * ((t - 1) % kS));
   }
   wgmma_wait<0>();
   keep_in_place(acc);
@@ -570,7 +598,8 @@ __global__ void __launch_bounds__(T::kThreads) wgmma_gemm_kernel(const GemmParam
 // of those timed on an H200 (M = K 1024-4096, N 128-512) where their tiles fill the SMs: one or two
 // products 128 x 128 (64 or 128 accumulators a thread) and 128 x 64 or 64 x 128, four products
 // 128 x 64 and 64 x 64 (128 accumulators); 4 stages, 6 for the one-warpgroup tiles of 32 KB
-// stages (4 and 6 timed within 1 us of each other, and 6 no faster for the larger tiles).
+// stages (4 and 6 timed within 1 us of each other, and 6 no faster for the larger tiles; timed
+// when every thread copied its stages, before the TMA).
 template <int AP, int BP>
 struct WgmmaTiles;
 template <>
