@@ -140,9 +140,9 @@ struct DenseShape {
   // One plane each, both signed bytes (A's values at most 128), where our wgmma GEMM does not run:
   // cuBLAS's int8 GEMM and a pass that stores its products, faster there than our mma.sync GEMM
   // (H200, M = K = 2048, N 256: 6.9 us and the pass against 9.4). Where ours runs on wgmma, ours
-  // (M = K = 4096, N 256: 16.5 us against 15.3 and 4.6 for the pass; N 512: 23.6 against 25.8 and
+  // (M = K = 4096, N 256: 14.9 us against 15.3 and 4.6 for the pass; N 512: 22.2 against 25.8 and
   // the pass; and one launch for every batch x head). Ours takes several products in one pass (two
-  // at N 256: 21.2 us, four: 33.7) and unsigned bytes, which cuBLAS's does not.
+  // at N 256: 21.1 us, four: 27.6) and unsigned bytes, which cuBLAS's does not.
   bool cublas() const { return a_planes * b_planes == 1 && a_max <= 128 && gemm == Gemm::kMma; }
 };
 
@@ -197,9 +197,10 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // per million stored values (A's slots, read once per row of a vector) + per GOP of one plane
 // product (2 M N K): 1.45 through cuBLAS (once per batch x head, about 2 more each after the
 // first); in our GEMM on mma.sync 3.10 or 4.60 for two or four products (1.57 for one unsigned
-// product), on wgmma 1.05, 1.9 and 2.9 for one, two and four products (2.5 for four in the smaller
-// tile; 2.9 was a fitted 3.3 before the GEMM's stages came by TMA, which took the larger tile's four
-// products 0.85-0.88x the time, thirty-seventh round). Choosing by the two estimates took 0.31-0.35 % more time than the faster way on the
+// product), on wgmma 0.94, 1.7 and 2.75 for one, two and four products (2.1 for four in the smaller
+// tile): constants fitted as 1.05, 1.9, 3.3 and 2.5, then scaled by the time the GEMM took once its
+// stages came by TMA (geometric means over 15 cells, H200: 0.89, 0.91, 0.83; thirty-seventh round).
+// Choosing by the two estimates (the fitted constants) took 0.31-0.35 % more time than the faster way on the
 // geometric mean over those cells, at most 31 % in one. The expansion has since run 1.1-1.5x
 // faster (c3870c0), so the dense estimates run high by up to its saving; refitted on the faster
 // expansion they chose no better (0.37 % against these constants' 0.32 %, thirty-fifth round). A's
@@ -215,7 +216,7 @@ bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pa
   double per_gop;
   if (d.cublas()) per_gop = 1.45;
   else if (d.gemm == Gemm::kMma) per_gop = products == 1 ? 1.57 : products == 2 ? 3.10 : 4.60;
-  else per_gop = products == 1 ? 1.05 : products == 2 ? 1.9 : d.gemm == Gemm::kWgmmaLarge ? 2.9 : 2.5;
+  else per_gop = products == 1 ? 0.94 : products == 2 ? 1.7 : d.gemm == Gemm::kWgmmaLarge ? 2.75 : 2.1;
   const double values_m = 1.0 * nnz_pad * p.v * kMega;
   const double dense_us = 10.2 + (d.cublas() ? 2.0 * (bh - 1) : 0.0) +
                           bh * (0.35 * a_mb + per_gop * product_gop + 1.58 * values_m);
