@@ -55,10 +55,8 @@ template <int AB, bool AS, int BB>
 void launch(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, bool fast) {
   namespace sd = magicube::spmm_detail;
   if (!fast) return launch_tiles<AB, AS, BB, false>(p, vrows, bh, stream);
-  if constexpr (BB != 4) {
-    if (p.row_bytes <= sd::kNarrowTileBytes)
-      return launch_tiles<AB, AS, BB, true, sd::kNarrowTileBytes>(p, vrows, bh, stream);
-  }
+  if (p.row_bytes <= sd::kNarrowTileBytes)
+    return launch_tiles<AB, AS, BB, true, sd::kNarrowTileBytes>(p, vrows, bh, stream);
   launch_tiles<AB, AS, BB, true>(p, vrows, bh, stream);
 }
 

@@ -163,6 +163,19 @@ struct Accumulators {
           }
   }
 
+  // `blocks` more blocks multiplied, counted in `since_fold` (the caller's, zero at the start): the
+  // integer accumulators fold every kFlushBlocks (callers count in a fixed step that divides it, so
+  // the count meets kFlushBlocks exactly).
+  __device__ __forceinline__ void multiplied(int blocks, int& since_fold) {
+    if constexpr (!K::kFp16) {
+      since_fold += blocks;
+      if (since_fold == kFlushBlocks) {
+        fold();
+        since_fold = 0;
+      }
+    }
+  }
+
   // m-tile mt += dense fragment da (per B plane, plane 0 = high byte) x sparse fragment sb (per A
   // plane): the high planes carry the sign, the low ones are unsigned.
   __device__ __forceinline__ void mma(int mt, const uint32_t (&da)[K::kBPlanes][4],
@@ -570,12 +583,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
     cp_async_commit();
     fetch_cols(it + kStages, next_cols);
     compute(it);
-    if constexpr (!K::kFp16) {
-      if (++since_fold == kFlushBlocks) {
-        r.fold();
-        since_fold = 0;
-      }
-    }
+    r.multiplied(1, since_fold);
   }
   allow_next_launch();
   // Every block that carried data was waited for in the loop, and the epilogue reads no shared
@@ -839,12 +847,8 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
           for (int j = 0; j < kAhead; ++j) load_block(col[j], q[j]);
 #pragma unroll
           for (int j = 0; j < kAhead; ++j) multiply(q[j], a[j], r);
-          // kFlushBlocks is a multiple of kAhead, and groups start at multiples of kAhead.
-          since_fold += kAhead;
-          if (since_fold == kFlushBlocks) {
-            r.fold();
-            since_fold = 0;
-          }
+          static_assert(kFlushBlocks % kAhead == 0);
+          r.multiplied(kAhead, since_fold);
           continue;
         }
         // The last, partial group: under kAhead blocks past a multiple of kAhead, so under
