@@ -203,7 +203,6 @@ __device__ __forceinline__ void wgmma_k32(int (&d)[N / 2], uint64_t a, uint64_t 
 #undef MAGICUBE_D8
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // Hopper's tensor memory accelerator (TMA) and its transaction barriers (sm_90; the calling code
 // guards on __CUDA_ARCH__).
@@ -236,8 +235,8 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
   } while (!done);
 }
 
-// The box of a 3-D tensor map (`map`, a __grid_constant__ kernel parameter) at coordinates (x, y, z),
-// innermost first, into shared memory at `dst`, completing its bytes on barrier `bar`.
+// The box of a 3-D tensor map (`map`, a __grid_constant__ kernel parameter) at coordinates (x, y,
+// z), innermost first, into shared memory at `dst`, completing its bytes on barrier `bar`.
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int x, int y, int z, uint32_t bar) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "

@@ -187,23 +187,22 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 }
 
 // Whether the dense path is the faster one, by estimated times (us) of both ways, fitted on an H200
-// over the bench_spmm sweep's cells (M = K 512-4096, N 128-512, V 2 / 4 / 8, sparsity 0.5-0.95,
-// the seven pairs, BH 1, every way forced; eval/results/kernel_checks.md, thirty-first to
-// thirty-third rounds). The gather and resident-B kernels: 3.5 + the gathered MB (a row of B per
-// kept vector, from L2) over a rate that grows with the row's width: 4.3 MB/us for rows of up to 64
-// bytes, 5.3 to 128, 6.5 to 256, 8.0 past. The dense path: 10.2 + 0.35 per MB of A's planes + 1.58
-// per million stored values (A's slots, read once per row of a vector) + per GOP of one plane
-// product (2 M N K): 1.45 through cuBLAS (once per batch x head, about 2 more each after the
-// first); in our GEMM on mma.sync 3.10 or 4.60 for two or four products (1.57 for one unsigned
-// product), on wgmma 0.94, 1.7 and 2.75 for one, two and four products (2.1 for four in the smaller
-// tile): constants fitted as 1.05, 1.9, 3.3 and 2.5, then scaled by the time the GEMM took once its
-// stages came by TMA (geometric means over 15 cells, H200: 0.89, 0.91, 0.83; thirty-seventh round).
-// Choosing by the two estimates (the fitted constants) took 0.31-0.35 % more time than the faster way on the
-// geometric mean over those cells, at most 31 % in one. The expansion has since run 1.1-1.5x
-// faster (c3870c0), so the dense estimates run high by up to its saving; refitted on the faster
-// expansion they chose no better (0.37 % against these constants' 0.32 %, thirty-fifth round). A's
-// planes are capped at 1 GiB: past that the gather kernels run, slower, instead of the allocator
-// failing.
+// over the bench_spmm sweep's cells (M = K 512-4096, N 128-512, V 2 / 4 / 8, sparsity 0.5-0.95, the
+// seven pairs, BH 1, every way forced; eval/results/kernel_checks.md, thirty-first to thirty-third
+// rounds). The gather and resident-B kernels: 3.5 + the gathered MB (a row of B per kept vector,
+// from L2) over a rate that grows with the row's width: 4.3 MB/us for rows of up to 64 bytes, 5.3
+// to 128, 6.5 to 256, 8.0 past. The dense path: 10.2 + 0.35 per MB of A's planes + 1.58 per million
+// stored values (A's slots, read once per row of a vector) + per GOP of one plane product (2 M N
+// K): 1.45 through cuBLAS (once per batch x head, about 2 more each after the first); in our GEMM
+// on mma.sync 3.10 or 4.60 for two or four products (1.57 for one unsigned product), on wgmma 0.94,
+// 1.7 and 2.75 for one, two and four products (2.1 for four in the smaller tile): constants fitted
+// as 1.05, 1.9, 3.3 and 2.5, then scaled by the time the GEMM took once its stages came by TMA
+// (geometric means over 15 cells, H200: 0.89, 0.91, 0.83; thirty-seventh round). Choosing by the
+// two estimates (the fitted constants) took 0.31-0.35 % more time than the faster way on the
+// geometric mean over those cells, at most 31 % in one. The expansion has since run 1.1-1.5x faster
+// (c3870c0), so the dense estimates run high by up to its saving; refitted on the faster expansion
+// they chose no better (0.37 % against these constants' 0.32 %, thirty-fifth round). A's planes are
+// capped at 1 GiB: past that the gather kernels run, slower, instead of the allocator failing.
 bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pad) {
   constexpr double kMega = 1e-6;
   constexpr int64_t kMaxWorkspace = int64_t{1} << 30;

@@ -271,9 +271,10 @@ struct GemmParams {
 constexpr int kStepBytes = 128;
 __device__ __forceinline__ uint32_t stage_offset(int r, int c) { return r * kStepBytes + 16 * (c ^ (r & 7)); }
 
-// The mma.sync GEMM's copies into its ring of stages (tile T): thread i copies chunk i % 8 of rows i / 8 + j
-// kThreads / 8 of every stage (kThreads / 8 is a multiple of 8, so the chunk's place in its row is
-// the same for every j), from sources computed once (null past the operand's padded rows).
+// The mma.sync GEMM's copies into its ring of stages (tile T): thread i copies chunk i % 8 of rows
+// i / 8 + j kThreads / 8 of every stage (kThreads / 8 is a multiple of 8, so the chunk's place in
+// its row is the same for every j), from sources computed once (null past the operand's padded
+// rows).
 template <class T>
 struct StageCopies {
   static constexpr int kRowsApart = T::kThreads / 8;
