@@ -125,7 +125,7 @@ void launch_signed(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stre
 }
 
 // Which of our GEMMs multiplies the planes where cuBLAS's does not (pick_gemm).
-enum class Gemm { kMma, kWgmmaLarge, kWgmmaSmall };
+enum class Gemm { kMma, kWgmmaLarge, kWgmmaSmall, kWgmmaSmallOneWave };
 
 // The dense path (spmm_dense.cuh): the GEMM's operands, padded to kAlign rows and columns (cuBLAS's
 // int8 GEMM takes K and N in multiples of 8 and more than 16 rows of A; ours, K in 16-byte chunks),
@@ -147,9 +147,9 @@ struct DenseShape {
 // Each SM takes in about 50 GB/s from L2 (H200), which bounds both of our GEMMs: their time is the
 // bytes of operand tiles an SM reads, and larger output tiles read fewer bytes per product but
 // leave SMs idle where there are fewer tiles than SMs. On Hopper (in an sm_90a build), the wgmma
-// GEMM's larger tile where its tiles fill 3/4 of the SMs, else its smaller one where that does,
-// else (and on other GPUs) the mma.sync GEMM; `force_wgmma` takes the wgmma GEMM's smaller tile
-// there instead (tests).
+// GEMM's larger tile where its tiles fill 3/4 of the SMs, else its smaller one where that does
+// (with a deeper ring where its tiles fit one wave), else (and on other GPUs) the mma.sync GEMM;
+// `force_wgmma` takes the wgmma GEMM's smaller tile there instead (tests).
 template <int AP, int BP>
 Gemm pick_gemm(int64_t m_pad, int64_t n_pad, int64_t bh, bool force_wgmma) {
 #ifdef MAGICUBE_SM90A
@@ -163,7 +163,9 @@ Gemm pick_gemm(int64_t m_pad, int64_t n_pad, int64_t bh, bool force_wgmma) {
       return bh * ((m_pad + tile_m - 1) / tile_m) * ((n_pad + tile_n - 1) / tile_n);
     };
     if (ctas(Large::kM, Large::kN) >= fill) return Gemm::kWgmmaLarge;
-    if (force_wgmma || ctas(Small::kM, Small::kN) >= fill) return Gemm::kWgmmaSmall;
+    const int64_t small = ctas(Small::kM, Small::kN);
+    if (force_wgmma || small >= fill)
+      return small <= props->multiProcessorCount ? Gemm::kWgmmaSmallOneWave : Gemm::kWgmmaSmall;
   }
 #endif
   return Gemm::kMma;
@@ -300,10 +302,13 @@ void gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, Gemm which, cu
 #ifdef MAGICUBE_SM90A
   using Large = typename dn::WgmmaTiles<AP, BP>::Large;
   using Small = typename dn::WgmmaTiles<AP, BP>::Small;
+  using SmallOneWave = typename dn::WgmmaTiles<AP, BP>::SmallOneWave;
   if (which == Gemm::kWgmmaLarge)
     return launch_wgmma_gemm<Large, dn::wgmma_gemm_kernel<AB, AS, BB, Large>>(gp, bh, stream);
   if (which == Gemm::kWgmmaSmall)
     return launch_wgmma_gemm<Small, dn::wgmma_gemm_kernel<AB, AS, BB, Small>>(gp, bh, stream);
+  if (which == Gemm::kWgmmaSmallOneWave)
+    return launch_wgmma_gemm<SmallOneWave, dn::wgmma_gemm_kernel<AB, AS, BB, SmallOneWave>>(gp, bh, stream);
 #endif
   using T = typename dn::DefaultGemmTile<AP, BP>::type;
   launch_gemm<T, dn::gemm_kernel<AB, AS, BB, T>>(gp, bh, stream);

@@ -607,16 +607,22 @@ template <>
 struct WgmmaTiles<1, 1> {
   using Large = WgmmaTile<1, 1, 2, 128, 4>;
   using Small = WgmmaTile<1, 1, 2, 64, 4>;
+  // Where the smaller tile's CTAs fit one wave, 8 stages (192 KB, one CTA an SM) took 0.90-1.01x
+  // the time of 4 (H200, M = K 1000-4096, N 128-512); past one wave 1.16-1.21x, two CTAs an SM
+  // at 4 stages doing better (kernel_checks.md, thirty-seventh and thirty-eighth rounds).
+  using SmallOneWave = WgmmaTile<1, 1, 2, 64, 8>;
 };
 template <>
 struct WgmmaTiles<2, 1> {
   using Large = WgmmaTile<2, 1, 2, 128, 4>;
   using Small = WgmmaTile<2, 1, 1, 128, 6>;
+  using SmallOneWave = Small;
 };
 template <>
 struct WgmmaTiles<2, 2> {
   using Large = WgmmaTile<2, 2, 2, 64, 4>;
   using Small = WgmmaTile<2, 2, 1, 64, 6>;
+  using SmallOneWave = Small;
 };
 
 }  // namespace spmm_dense

@@ -44,8 +44,9 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     # Every way: the resident-B kernel (8- and 4-bit B on 16-byte rows) and the dense path (integer
     # operands) run on problems this small only when asked for; on Hopper also the dense path with
-    # its wgmma GEMM, whose smaller tile runs here when forced and its larger one on the batched
-    # problem at the end (12 x 3 x 3 tiles).
+    # its wgmma GEMM, whose smaller tile runs here when forced (within one wave, its deeper ring),
+    # its larger one on the first batched problem at the end (12 x 3 x 3 tiles) and, with one
+    # plane product, its smaller tile past one wave on the second (40 x 2 x 2 tiles).
     kernels = ["gather", "resident", "dense"]
     if torch.cuda.get_device_capability()[0] == 9:
         kernels.append("dense_wgmma")
@@ -65,12 +66,13 @@ def main() -> int:
                         bad += 1
                         print(f"MISMATCH {kernel} v={v} n={n} a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
     os.environ["MAGICUBE_SPMM_KERNEL"] = "dense"
-    vm = random_vector_mask(300, 160, 4, 0.5, seed=3)
-    p = SRBCRS.from_mask(vm, stride=32)
-    for a_bits, b_bits, a_signed in KINDS:
-        if not check(g, p, vm.to_dense(), 12, 160, 300, 4, a_bits, b_bits, a_signed):
-            bad += 1
-            print(f"MISMATCH dense, batched: a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
+    for bh, m, k, n, v in ((12, 300, 160, 300, 4), (40, 240, 96, 100, 8)):
+        vm = random_vector_mask(m, k, v, 0.5, seed=3)
+        p = SRBCRS.from_mask(vm, stride=32)
+        for a_bits, b_bits, a_signed in KINDS:
+            if not check(g, p, vm.to_dense(), bh, k, n, v, a_bits, b_bits, a_signed):
+                bad += 1
+                print(f"MISMATCH dense, batched {bh}: a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
     torch.cuda.synchronize()
     print("sanitize_spmm:", "ok" if not bad else f"{bad} mismatches")
     return 1 if bad else 0

@@ -107,13 +107,15 @@ def test_integer_exact(kernels, a_bits, b_bits, a_signed, v):
         _assert_exact(kernels, p, emask, bh, k, n, v, a_bits, a_signed, b_bits, g, f"shape {(bh, rows * v, k, n)}: ")
 
 
+# Batched problems whose wgmma GEMM on Hopper takes (in the dense path) its larger tile, its 128 x
+# 128 or 128 x 64 tiles filling 3/4 of the SMs (12 x 3 x 3 of them), or, with one plane product,
+# its smaller tile past one wave of the SMs (40 x 2 x 2 tiles of 128 x 64; within one wave that
+# tile runs with a deeper ring, as in every smaller problem here). M, N and K multiples of no tile.
+@pytest.mark.parametrize("bh, rows, k, n, v", [(12, 75, 160, 300, 4), (40, 30, 96, 100, 8)],
+                         ids=["larger-tile", "smaller-tile-waves"])
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
-def test_dense_gemm_large_tiles(kernels, a_bits, b_bits, a_signed):
-    """Enough batch x heads that the dense path's wgmma GEMM takes its larger tile on Hopper (its
-    128 x 128 or 128 x 64 tiles fill 3/4 of the SMs: 12 x 3 x 3 of them here), M, N and K
-    multiples of no tile; the GEMM's last K step partly past K. Under the other ways, one more
-    batched problem."""
-    bh, rows, k, n, v = 12, 75, 160, 300, 4
+def test_dense_gemm_batched_tiles(kernels, a_bits, b_bits, a_signed, bh, rows, k, n, v):
+    """The GEMM's last K step partly past K. Under the other ways, one more batched problem."""
     p, emask = problem(bh, rows, k, v, 0.5, seed=11)
     _assert_exact(kernels, p, emask, bh, k, n, v, a_bits, a_signed, b_bits, torch.Generator().manual_seed(7))
 
