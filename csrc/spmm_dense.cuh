@@ -79,7 +79,8 @@ struct Quad {
 };
 
 struct ExpandParams {
-  // A: vector rows x strips of strip_cols columns (a multiple of kAlign) per batch x head.
+  // A: groups of G vector rows (expand_kernel's) x strips of strip_cols columns (a multiple of
+  // kAlign) per batch x head; groups of more than one row only where a strip is the whole of K.
   const int* row_ptr;
   const int* col_idx;
   const uint8_t* a;      // [BH, nnz_pad * V] containers
@@ -97,38 +98,47 @@ struct ExpandParams {
 constexpr int kBTile = 64;
 constexpr int kBTileBytes = kBTile * (kBTile + 1) * 4;
 
-// The V rows of every plane of one vector row x strip of A, for one batch x head: built in shared
+// The V rows of every plane of G vector rows x strip of A, for one batch x head: built in shared
 // memory (zeros, then the kept values scattered by column) and written out with 16-byte stores, so
-// the global writes are whole lines however sparse the row. Slots are read in storage order (no
-// ascending columns assumed); a row wider than the strip is read once per strip. A thread takes
-// four consecutive slots of one row of a 32-slot block (their values are adjacent, as are their
-// columns), kUnroll such quads with all their loads issued before any store. The kernel is bound by
-// instruction issue (Nsight Compute, M = K = 4096: some 0.7 warp instructions a scheduler a cycle),
-// hence the planes as compile-time counts: counted at run time, they put loops in the scatter and
-// took 60-62 registers, and the kernel 1.1-1.5x the time.
-template <int AB, bool AS>
-__device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* strip, int vrow, int bh) {
-  constexpr int kUnroll = 4, kPlanes = kPlanesOf<AB>;
+// the global writes are whole lines however sparse the row. Each of the G rows has a team of the
+// CTA's threads. Slots are read in storage order (no ascending columns assumed); a row wider than
+// the strip is read once per strip. A thread takes four consecutive slots of one row of a 32-slot
+// block (their values are adjacent, as are their columns), kUnroll such quads with all their loads
+// issued before any store. The kernel is bound by instruction issue (Nsight Compute, M = K = 4096:
+// some 0.7 warp instructions a scheduler a cycle), hence the planes and G as compile-time counts
+// (counted at run time, the planes put loops in the scatter and took 60-62 registers, and the
+// kernel 1.1-1.5x the time; G, 1.0-1.1x) and the groups where there are CTAs to spare (a row of
+// V 2 at sparsity 0.7 fills 2.4 of a CTA's 4 quads a thread, and the CTA's fixed work is paid
+// once a group).
+template <int AB, bool AS, int G>
+__device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* strip, int group, int bh) {
+  constexpr int kUnroll = 4, kPlanes = kPlanesOf<AB>, kTeam = kExpandThreads / G;
   using Q = Quad<AB>;
   const int c0 = blockIdx.y * p.strip_cols;
   const int cols = min(p.strip_cols, p.k_pad - c0);
-  const int rows = kPlanes * p.v;
+  const int plane_rows = G * p.v;  // a plane's rows in the strip
   int4* strip16 = reinterpret_cast<int4*>(strip);
-  for (int i = threadIdx.x; i < rows * p.strip_cols / 16; i += kExpandThreads) strip16[i] = make_int4(0, 0, 0, 0);
+  for (int i = threadIdx.x; i < kPlanes * plane_rows * p.strip_cols / 16; i += kExpandThreads)
+    strip16[i] = make_int4(0, 0, 0, 0);
 
   // Block b of the row holds V x 32 values row-major, so quad item = (b * V + i) * 8 + j covers
   // slots 32 b + 4 j .. + 3 of row i, values (b * V + i) * 32 + 4 j on.
+  // (With G 1, all of the row's, which the kernel launches only below p.vrows.)
+  const int team = G == 1 ? 0 : threadIdx.x / kTeam, lane = G == 1 ? threadIdx.x : threadIdx.x % kTeam;
+  const int vrow = G * group + team;
+  const bool in_rows = G == 1 || vrow < p.vrows;
   const uint8_t* a = p.a + bh * p.a_bh_bytes;
-  const int start = p.row_ptr[2 * vrow];
-  const int items = (p.row_ptr[2 * vrow + 1] - start + 31) / 32 * p.v * 8;
+  const int start = in_rows ? p.row_ptr[2 * vrow] : 0;
+  const int items = in_rows ? (p.row_ptr[2 * vrow + 1] - start + 31) / 32 * p.v * 8 : 0;
   const int v_shift = __ffs(p.v) - 1;
+  int8_t* team_strip = strip + team * p.v * p.strip_cols;
   __syncthreads();
-  for (int base = 0; base < items; base += kUnroll * kExpandThreads) {
+  for (int base = 0; base < items; base += kUnroll * kTeam) {
     int4 col[kUnroll];
     typename Q::Word x[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int item = base + u * kExpandThreads + threadIdx.x;
+      const int item = base + u * kTeam + lane;
       col[u] = make_int4(-1, -1, -1, -1);
       if (item < items) {
         col[u] = *reinterpret_cast<const int4*>(p.col_idx + start + 32 * ((item >> 3) >> v_shift) + 4 * (item & 7));
@@ -137,7 +147,7 @@ __device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* str
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int item = base + u * kExpandThreads + threadIdx.x;
+      const int item = base + u * kTeam + lane;
       if (item >= items) break;
       const int row = (item >> 3) & (p.v - 1);
       const int c[4] = {col[u].x - c0, col[u].y - c0, col[u].z - c0, col[u].w - c0};
@@ -147,7 +157,7 @@ __device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* str
           const int value = Q::template value<AS>(x[u], j);
 #pragma unroll
           for (int q = 0; q < kPlanes; ++q)
-            strip[(q * p.v + row) * p.strip_cols + c[j]] = plane_byte(value, q, kPlanes);
+            team_strip[(q * plane_rows + row) * p.strip_cols + c[j]] = plane_byte(value, q, kPlanes);
         }
     }
   }
@@ -155,12 +165,13 @@ __device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* str
 
   // Short as it is, this kernel is bound by instruction issue (at M = K = 4096 and 2 or 3 CTAs of
   // work per SM): the loops here keep their index arithmetic out of the per-chunk path.
+  const int rows = (G == 1 ? 1 : min(G, p.vrows - G * group)) * p.v;
 #pragma unroll
   for (int q = 0; q < kPlanes; ++q)
-    for (int i = 0; i < p.v; ++i) {
-      const int8_t* src = strip + (q * p.v + i) * p.strip_cols;
+    for (int i = 0; i < rows; ++i) {
+      const int8_t* src = strip + (q * plane_rows + i) * p.strip_cols;
       int8_t* dst = p.a_out + ((static_cast<int64_t>(bh) * kPlanes + q) * p.m_pad +
-                               static_cast<int64_t>(vrow) * p.v + i) * p.k_pad + c0;
+                               static_cast<int64_t>(G) * group * p.v + i) * p.k_pad + c0;
       for (int c = 16 * threadIdx.x; c < cols; c += 16 * kExpandThreads)
         *reinterpret_cast<int4*>(dst + c) = *reinterpret_cast<const int4*>(src + c);
     }
@@ -201,14 +212,14 @@ __device__ __forceinline__ void b_planes_tile(const ExpandParams& p, int (*tile)
 
 // Both operands' planes in one launch (a launch on its own costs about as much as this work at
 // M = K = 1024): the first b_tiles CTAs of strip 0 take B's tiles, the others A's strips.
-template <int AB, bool AS, int BB>
+template <int AB, bool AS, int BB, int G>
 __global__ void __launch_bounds__(kExpandThreads) expand_kernel(const ExpandParams p) {
   extern __shared__ int4 smem16[];
   const int bh = blockIdx.z, b_tiles = blockIdx.y == 0 ? p.b_tiles : 0;
   if (static_cast<int>(blockIdx.x) < b_tiles) {
     b_planes_tile<BB>(p, reinterpret_cast<int (*)[kBTile + 1]>(smem16), blockIdx.x, bh);
-  } else if (static_cast<int>(blockIdx.x) - b_tiles < p.vrows) {
-    densify_strip<AB, AS>(p, reinterpret_cast<int8_t*>(smem16), blockIdx.x - b_tiles, bh);
+  } else if (G * (static_cast<int>(blockIdx.x) - b_tiles) < p.vrows) {
+    densify_strip<AB, AS, G>(p, reinterpret_cast<int8_t*>(smem16), blockIdx.x - b_tiles, bh);
   }
 }
 

@@ -46,7 +46,8 @@ def main() -> int:
     # operands) run on problems this small only when asked for; on Hopper also the dense path with
     # its wgmma GEMM, whose smaller tile runs here when forced (within one wave, its deeper ring),
     # its larger one on the first batched problem at the end (12 x 3 x 3 tiles) and, with one
-    # plane product, its smaller tile past one wave on the second (40 x 2 x 2 tiles).
+    # plane product, its smaller tile past one wave on the second (40 x 2 x 2 tiles); the third's
+    # expansion takes groups of 8 vector rows a CTA, the last of 5 rows.
     kernels = ["gather", "resident", "dense"]
     if torch.cuda.get_device_capability()[0] == 9:
         kernels.append("dense_wgmma")
@@ -66,7 +67,7 @@ def main() -> int:
                         bad += 1
                         print(f"MISMATCH {kernel} v={v} n={n} a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
     os.environ["MAGICUBE_SPMM_KERNEL"] = "dense"
-    for bh, m, k, n, v in ((12, 300, 160, 300, 4), (40, 240, 96, 100, 8)):
+    for bh, m, k, n, v in ((12, 300, 160, 300, 4), (40, 240, 96, 100, 8), (64, 106, 200, 40, 2)):
         vm = random_vector_mask(m, k, v, 0.5, seed=3)
         p = SRBCRS.from_mask(vm, stride=32)
         for a_bits, b_bits, a_signed in KINDS:

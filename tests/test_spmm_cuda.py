@@ -120,6 +120,17 @@ def test_dense_gemm_batched_tiles(kernels, a_bits, b_bits, a_signed, bh, rows, k
     _assert_exact(kernels, p, emask, bh, k, n, v, a_bits, a_signed, b_bits, torch.Generator().manual_seed(7))
 
 
+# Batched problems of short rows whose dense path expands A in groups of 8 vector rows a CTA (64 x
+# 7 groups on a GPU of up to 149 SMs, the last of 5 rows) and of 4 (40 x 12, the last of 1 row);
+# test_dense_gemm_batched_tiles's larger-tile problem takes groups of 2.
+@pytest.mark.parametrize("bh, rows, v", [(64, 53, 2), (40, 45, 4)], ids=["groups-of-8", "groups-of-4"])
+@pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
+def test_dense_expansion_groups(kernels, a_bits, b_bits, a_signed, bh, rows, v):
+    k, n = 200, 40
+    p, emask = problem(bh, rows, k, v, 0.7, seed=5)
+    _assert_exact(kernels, p, emask, bh, k, n, v, a_bits, a_signed, b_bits, torch.Generator().manual_seed(9))
+
+
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
 def test_range_extremes(kernels, a_bits, b_bits, a_signed):
     """All values at qmin or qmax: the largest products, the int32 overflow of long rows."""
