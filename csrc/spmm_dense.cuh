@@ -123,7 +123,7 @@ __device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* str
 
   // Block b of the row holds V x 32 values row-major, so quad item = (b * V + i) * 8 + j covers
   // slots 32 b + 4 j .. + 3 of row i, values (b * V + i) * 32 + 4 j on.
-  // (With G 1, all of the row's, which the kernel launches only below p.vrows.)
+  // With G 1 the team is the whole CTA, and its row below p.vrows (expand_kernel's bound).
   const int team = G == 1 ? 0 : threadIdx.x / kTeam, lane = G == 1 ? threadIdx.x : threadIdx.x % kTeam;
   const int vrow = G * group + team;
   const bool in_rows = G == 1 || vrow < p.vrows;
