@@ -241,7 +241,7 @@ void expand_groups(const magicube::spmm_dense::ExpandParams& ep, int64_t bh, cud
 // Vector rows of V 2 or 4 in groups of up to 8 a CTA, where a strip is the whole of K, the group's
 // strips fill at most 16 KB and 3 CTAs an SM remain: their rows are short, and the CTA's fixed
 // work is paid once a group (H200, M = K 512-4096, 1-32 batch x heads: the expansion 0.56-0.96x
-// the time; larger groups, fewer CTAs or V 8 took up to 1.8x).
+// the time; larger groups, fewer CTAs or V 8 took up to 1.5x).
 template <int AB, bool AS, int BB>
 void expand(const magicube::spmm_dense::ExpandParams& ep, int64_t bh, cudaStream_t stream) {
   namespace dn = magicube::spmm_dense;
