@@ -251,6 +251,23 @@ struct Output {
       static_cast<__half*>(out)[e] = __float2half_rn(__ll2float_rn(x) * (sa * sb));
     }
   }
+  // Columns col and col + 1 (col even, below N): where N is even, one store of both (the output
+  // is a fresh allocation, so the pair is 8- or 16-byte aligned).
+  __device__ __forceinline__ void store_pair(int bh, int row, int col, const int64_t (&x)[2], float sa) const {
+    if (n & 1) {
+      store(bh, row, col, x[0], sa);
+      if (col + 1 < n) store(bh, row, col + 1, x[1], sa);
+      return;
+    }
+    const int64_t e = (static_cast<int64_t>(bh) * m + row) * n + col;
+    if (out_int64) {
+      *reinterpret_cast<longlong2*>(static_cast<int64_t*>(out) + e) = make_longlong2(x[0], x[1]);
+    } else {
+      const float* sb = scale_b + static_cast<int64_t>(bh) * n + col;
+      *reinterpret_cast<__half2*>(static_cast<__half*>(out) + e) =
+          __floats2half2_rn(__ll2float_rn(x[0]) * (sa * sb[0]), __ll2float_rn(x[1]) * (sa * sb[1]));
+    }
+  }
   __device__ __forceinline__ float row_scale(int bh, int row) const {
     return out_int64 ? 0.f : scale_a[static_cast<int64_t>(bh) * m + row];
   }
@@ -327,17 +344,24 @@ struct StageCopies {
   }
 };
 
-// Output (row, col) from its plane products, acc(qa, qb): the sum over plane pairs of 256^(qa + qb)
-// times the product, in int64 (modulo 2^64 on the way, in unsigned arithmetic: the result fits).
+// Outputs (row, col + e), e = 0, 1 (col even), from their plane products acc(qa, qb, e): the sum
+// over plane pairs of 256^(qa + qb) times the product, in int64 (modulo 2^64 on the way, in
+// unsigned arithmetic: the result fits).
 template <int AP, int BP, class Acc>
 __device__ __forceinline__ void store_recombined(const Output& o, int bh, int row, int col, float sa, Acc acc) {
   if (col >= o.n) return;
-  uint64_t sum = 0;
+  int64_t x[2];
 #pragma unroll
-  for (int qa = 0; qa < AP; ++qa)
+  for (int e = 0; e < 2; ++e) {
+    uint64_t sum = 0;
 #pragma unroll
-    for (int qb = 0; qb < BP; ++qb) sum += static_cast<uint64_t>(static_cast<int64_t>(acc(qa, qb))) << (8 * (qa + qb));
-  o.store(bh, row, col, static_cast<int64_t>(sum), sa);
+    for (int qa = 0; qa < AP; ++qa)
+#pragma unroll
+      for (int qb = 0; qb < BP; ++qb)
+        sum += static_cast<uint64_t>(static_cast<int64_t>(acc(qa, qb, e))) << (8 * (qa + qb));
+    x[e] = static_cast<int64_t>(sum);
+  }
+  o.store_pair(bh, row, col, x, sa);
 }
 
 // The mma.sync GEMM: 4 warps of a CTA in a 2 x 2 grid, each a WM x WN output tile of every plane
@@ -473,10 +497,8 @@ __global__ void __launch_bounds__(T::kThreads) gemm_kernel(const GemmParams p) {
       const float sa = p.o.row_scale(bh, row);
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          store_recombined<AP, BP>(p.o, bh, row, n0 + wn + 8 * nt + 2 * (lane & 3) + e, sa,
-                                   [&](int qa, int qb) { return acc[qa][qb][mt][nt][2 * h + e]; });
+        store_recombined<AP, BP>(p.o, bh, row, n0 + wn + 8 * nt + 2 * (lane & 3), sa,
+                                 [&](int qa, int qb, int e) { return acc[qa][qb][mt][nt][2 * h + e]; });
     }
 }
 
@@ -596,10 +618,8 @@ __global__ void __launch_bounds__(T::kThreads)
     const float sa = p.o.row_scale(bh, row);
 #pragma unroll
     for (int j = 0; j < kN / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        store_recombined<AP, BP>(p.o, bh, row, n0 + 8 * j + 2 * (lane & 3) + e, sa,
-                                 [&](int qa, int qb) { return acc[qa][qb][4 * j + 2 * h + e]; });
+      store_recombined<AP, BP>(p.o, bh, row, n0 + 8 * j + 2 * (lane & 3), sa,
+                               [&](int qa, int qb, int e) { return acc[qa][qb][4 * j + 2 * h + e]; });
   }
 #else
   __trap();  // built without sm_90a: the host launches this kernel only where the build has it
