@@ -260,13 +260,13 @@ struct Output {
       return;
     }
     const int64_t e = (static_cast<int64_t>(bh) * m + row) * n + col;
-    if (out_int64) {
-      *reinterpret_cast<longlong2*>(static_cast<int64_t*>(out) + e) = make_longlong2(x[0], x[1]);
-    } else {
-      const float* sb = scale_b + static_cast<int64_t>(bh) * n + col;
-      *reinterpret_cast<__half2*>(static_cast<__half*>(out) + e) =
-          __floats2half2_rn(__ll2float_rn(x[0]) * (sa * sb[0]), __ll2float_rn(x[1]) * (sa * sb[1]));
-    }
+    if (out_int64) *reinterpret_cast<longlong2*>(static_cast<int64_t*>(out) + e) = make_longlong2(x[0], x[1]);
+    else *reinterpret_cast<__half2*>(static_cast<__half*>(out) + e) = half_pair(bh, col, x, sa);
+  }
+  // The fp16 outputs of columns col and col + 1 (both below N).
+  __device__ __forceinline__ __half2 half_pair(int bh, int col, const int64_t (&x)[2], float sa) const {
+    const float* sb = scale_b + static_cast<int64_t>(bh) * n + col;
+    return __floats2half2_rn(__ll2float_rn(x[0]) * (sa * sb[0]), __ll2float_rn(x[1]) * (sa * sb[1]));
   }
   __device__ __forceinline__ float row_scale(int bh, int row) const {
     return out_int64 ? 0.f : scale_a[static_cast<int64_t>(bh) * m + row];
@@ -344,13 +344,11 @@ struct StageCopies {
   }
 };
 
-// Outputs (row, col + e), e = 0, 1 (col even), from their plane products acc(qa, qb, e): the sum
-// over plane pairs of 256^(qa + qb) times the product, in int64 (modulo 2^64 on the way, in
-// unsigned arithmetic: the result fits).
+// Two adjacent outputs x[e], e = 0, 1, from their plane products acc(qa, qb, e): the sum over
+// plane pairs of 256^(qa + qb) times the product, in int64 (modulo 2^64 on the way, in unsigned
+// arithmetic: the result fits).
 template <int AP, int BP, class Acc>
-__device__ __forceinline__ void store_recombined(const Output& o, int bh, int row, int col, float sa, Acc acc) {
-  if (col >= o.n) return;
-  int64_t x[2];
+__device__ __forceinline__ void recombine_pair(Acc acc, int64_t (&x)[2]) {
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     uint64_t sum = 0;
@@ -361,6 +359,13 @@ __device__ __forceinline__ void store_recombined(const Output& o, int bh, int ro
         sum += static_cast<uint64_t>(static_cast<int64_t>(acc(qa, qb, e))) << (8 * (qa + qb));
     x[e] = static_cast<int64_t>(sum);
   }
+}
+// ... stored at (row, col + e) (col even).
+template <int AP, int BP, class Acc>
+__device__ __forceinline__ void store_recombined(const Output& o, int bh, int row, int col, float sa, Acc acc) {
+  if (col >= o.n) return;
+  int64_t x[2];
+  recombine_pair<AP, BP>(acc, x);
   o.store_pair(bh, row, col, x, sa);
 }
 
@@ -538,6 +543,47 @@ struct WgmmaTile {
   static_assert(STAGES >= 2 && (BN == 64 || BN == 128));
 };
 
+// A two-warpgroup tile's fp16 output where N is a multiple of 8, through shared memory: each warp
+// writes its 16 rows into the freed stages (rows padded by 16 bytes, so that the 8 rows one store
+// instruction spans fall in different banks) and stores them a 16-byte chunk a lane, whole rows
+// an instruction, where its accumulators' layout scatters 4-byte pairs over 8 rows. The GEMM took
+// 0.66-0.86x its time with one product, 0.93-0.98x with two and 0.98-1.01x with four (H100, M = K
+// 512-4096, N 128-512, 1-32 batch x heads); the one-warpgroup tiles took 1.00-1.04x and store
+// directly (kernel_checks.md, thirty-ninth round).
+template <int AP, int BP, class T>
+__device__ __forceinline__ void store_staged(const Output& o, uint32_t smem, int bh, int m0, int n0,
+                                             const int (&acc)[AP][BP][T::kN / 2]) {
+  constexpr int kN = T::kN, kRowBytes = 2 * kN + 16, kChunks = kN / 8;
+  static_assert(T::kMathThreads == 256 && T::kM * kRowBytes <= T::kStages * T::kStageBytes);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = m0 + 16 * warp;
+  const uint32_t rows = smem + 16 * warp * kRowBytes;
+  named_barrier_sync(1, T::kMathThreads);  // both warpgroups' wgmmas are done with the stages
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = (lane >> 2) + 8 * h;
+    if (row0 + r >= o.m) continue;
+    const float sa = o.row_scale(bh, row0 + r);
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      const int c = 8 * j + 2 * (lane & 3);
+      if (n0 + c >= o.n) continue;
+      int64_t x[2];
+      recombine_pair<AP, BP>([&](int qa, int qb, int e) { return acc[qa][qb][4 * j + 2 * h + e]; }, x);
+      const __half2 v = o.half_pair(bh, n0 + c, x, sa);
+      st_shared_u32(rows + r * kRowBytes + 2 * c, *reinterpret_cast<const uint32_t*>(&v));
+    }
+  }
+  __syncwarp();
+  __half* out = static_cast<__half*>(o.out);
+#pragma unroll
+  for (int i = lane; i < 16 * kChunks; i += 32) {
+    const int r = i / kChunks, c = 8 * (i % kChunks);
+    if (row0 + r < o.m && n0 + c < o.n)
+      *reinterpret_cast<int4*>(out + (static_cast<int64_t>(bh) * o.m + row0 + r) * o.n + n0 + c) =
+          ld_shared_v4(rows + r * kRowBytes + 2 * c);
+  }
+}
+
 // `a_map`, `b_map`: the TMA's views of A's and B's planes, [BH x planes][rows][k_pad] bytes in
 // boxes of 128 bytes of K x kM (A) or kN (B) rows, zeros past the padded rows and K, stored with
 // the 128-byte swizzle (csrc/spmm.cu: plane_map).
@@ -609,8 +655,11 @@ __global__ void __launch_bounds__(T::kThreads)
   wgmma_wait<0>();
   keep_in_place(acc);
 
+  if constexpr (T::kMathThreads == 256) {
+    if (!p.o.out_int64 && p.o.n % 8 == 0) return store_staged<AP, BP, T>(p.o, smem, bh, m0, n0, acc);
+  }
   // Each warpgroup's accumulators in wgmma_k32's layout: warp w of it holds rows 16 w + lane / 4
-  // and 8 below.
+  // and 8 below, columns 2 (lane % 4) and the next of each 8-column block.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = m0 + 64 * wg + 16 * warp + (lane >> 2) + 8 * h;

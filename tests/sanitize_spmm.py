@@ -18,24 +18,28 @@ KINDS = [(8, 8, True), (8, 8, False), (4, 4, True), (16, 8, False), (16, 16, Tru
 
 
 def check(g, p, emask, bh, k, n, v, a_bits, b_bits, a_signed) -> bool:
-    """One launch against the reference; True where they agree."""
+    """The launches of one problem against the reference (integer operands: the int64 output and
+    the fp16 one); True where they agree."""
     cuda = p.to("cuda")
+
+    def agree(*args) -> bool:
+        dev = [x.cuda() if isinstance(x, torch.Tensor) else x for x in args]
+        got = torch.ops.magicube_cuda.spmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev).cpu()
+        want = torch.ops.magicube.spmm(p.row_ptr, p.col_idx, p.row_order, *args)
+        if a_bits == 0:
+            return torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+        return torch.equal(got, want)
+
     if a_bits == 0:
         a = (torch.randn(bh, p.m, k, generator=g) * emask).half()
         b = torch.randn(bh, k, n, generator=g).half()
-        args = (p.pack_values(a), b, None, None, v, p.m, 16, True, 16, torch.float16)
-    else:
-        lo, hi = (-(1 << (a_bits - 1)), 1 << (a_bits - 1)) if a_signed else (0, 1 << a_bits)
-        a = torch.randint(lo, hi, (bh, p.m, k), generator=g) * emask
-        b = torch.randint(-(1 << (b_bits - 1)), 1 << (b_bits - 1), (bh, k, n), generator=g)
-        args = (to_container(p.pack_values(a), a_bits, a_signed), to_container(b, b_bits), None, None, v, p.m, a_bits,
-                a_signed, b_bits, torch.int64)
-    dev = [x.cuda() if isinstance(x, torch.Tensor) else x for x in args]
-    got = torch.ops.magicube_cuda.spmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev).cpu()
-    want = torch.ops.magicube.spmm(p.row_ptr, p.col_idx, p.row_order, *args)
-    if a_bits == 0:
-        return torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
-    return torch.equal(got, want)
+        return agree(p.pack_values(a), b, None, None, v, p.m, 16, True, 16, torch.float16)
+    lo, hi = (-(1 << (a_bits - 1)), 1 << (a_bits - 1)) if a_signed else (0, 1 << a_bits)
+    a = to_container(p.pack_values(torch.randint(lo, hi, (bh, p.m, k), generator=g) * emask), a_bits, a_signed)
+    b = to_container(torch.randint(-(1 << (b_bits - 1)), 1 << (b_bits - 1), (bh, k, n), generator=g), b_bits)
+    sa, sb = torch.rand(bh, p.m, generator=g) / 2 ** a_bits, torch.rand(bh, n, generator=g) / 2 ** b_bits
+    return (agree(a, b, None, None, v, p.m, a_bits, a_signed, b_bits, torch.int64)
+            and agree(a, b, sa, sb, v, p.m, a_bits, a_signed, b_bits, torch.float16))
 
 
 def main() -> int:
@@ -46,7 +50,8 @@ def main() -> int:
     # operands) run on problems this small only when asked for; on Hopper also the dense path with
     # its wgmma GEMM, whose smaller tile runs here when forced (within one wave, its deeper ring),
     # its larger one on the first batched problem at the end (12 x 3 x 3 tiles) and, with one
-    # plane product, its smaller tile past one wave on the second (40 x 2 x 2 tiles); the third's
+    # plane product, its smaller tile past one wave on the second (40 x 2 x 2 tiles), each also at
+    # an N of whole 16-byte fp16 chunks (the two-warpgroup tiles' staged stores); the last's
     # expansion takes groups of 8 vector rows a CTA, the last of 5 rows.
     kernels = ["gather", "resident", "dense"]
     if torch.cuda.get_device_capability()[0] == 9:
@@ -67,7 +72,8 @@ def main() -> int:
                         bad += 1
                         print(f"MISMATCH {kernel} v={v} n={n} a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
     os.environ["MAGICUBE_SPMM_KERNEL"] = "dense"
-    for bh, m, k, n, v in ((12, 300, 160, 300, 4), (40, 240, 96, 100, 8), (64, 106, 200, 40, 2)):
+    for bh, m, k, n, v in ((12, 300, 160, 300, 4), (12, 300, 160, 296, 4), (40, 240, 96, 100, 8),
+                           (40, 240, 96, 104, 8), (64, 106, 200, 40, 2)):
         vm = random_vector_mask(m, k, v, 0.5, seed=3)
         p = SRBCRS.from_mask(vm, stride=32)
         for a_bits, b_bits, a_signed in KINDS:

@@ -110,9 +110,12 @@ def test_integer_exact(kernels, a_bits, b_bits, a_signed, v):
 # Batched problems whose wgmma GEMM on Hopper takes (in the dense path) its larger tile, its 128 x
 # 128 or 128 x 64 tiles filling 3/4 of the SMs (12 x 3 x 3 of them), or, with one plane product,
 # its smaller tile past one wave of the SMs (40 x 2 x 2 tiles of 128 x 64; within one wave that
-# tile runs with a deeper ring, as in every smaller problem here). M, N and K multiples of no tile.
-@pytest.mark.parametrize("bh, rows, k, n, v", [(12, 75, 160, 300, 4), (40, 30, 96, 100, 8)],
-                         ids=["larger-tile", "smaller-tile-waves"])
+# tile runs with a deeper ring, as in every smaller problem here); each also at an N of whole
+# 16-byte fp16 chunks, which the two-warpgroup tiles store through shared memory. M, N and K
+# multiples of no tile.
+@pytest.mark.parametrize("bh, rows, k, n, v",
+                         [(12, 75, 160, 300, 4), (12, 75, 160, 296, 4), (40, 30, 96, 100, 8), (40, 30, 96, 104, 8)],
+                         ids=["larger-tile", "larger-tile-chunks", "smaller-tile-waves", "smaller-tile-waves-chunks"])
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
 def test_dense_gemm_batched_tiles(kernels, a_bits, b_bits, a_signed, bh, rows, k, n, v):
     """The GEMM's last K step partly past K. Under the other ways, one more batched problem."""
