@@ -547,9 +547,9 @@ struct WgmmaTile {
 // writes its 16 rows into the freed stages (rows padded by 16 bytes, so that the 8 rows one store
 // instruction spans fall in different banks) and stores them a 16-byte chunk a lane, whole rows
 // an instruction, where its accumulators' layout scatters 4-byte pairs over 8 rows. The GEMM took
-// 0.66-0.86x its time with one product, 0.93-0.98x with two and 0.98-1.01x with four (H100, M = K
-// 512-4096, N 128-512, 1-32 batch x heads); the one-warpgroup tiles took 1.00-1.04x and store
-// directly (kernel_checks.md, thirty-ninth round).
+// 0.66-0.88x its time with one product, 0.92-0.98x with two and 0.97-1.01x with four (H100 and
+// H200, M = K 512-4096, N 128-512, 1-32 batch x heads); the one-warpgroup tiles took 1.01-1.04x
+// and store directly (kernel_checks.md, thirty-ninth round).
 template <int AP, int BP, class T>
 __device__ __forceinline__ void store_staged(const Output& o, uint32_t smem, int bh, int m0, int n0,
                                              const int (&acc)[AP][BP][T::kN / 2]) {
