@@ -360,7 +360,7 @@ __device__ __forceinline__ void recombine_pair(Acc acc, int64_t (&x)[2]) {
     x[e] = static_cast<int64_t>(sum);
   }
 }
-// ... stored at (row, col + e) (col even).
+// The same pair, stored at (row, col + e) (col even; nothing where col is past N).
 template <int AP, int BP, class Acc>
 __device__ __forceinline__ void store_recombined(const Output& o, int bh, int row, int col, float sa, Acc acc) {
   if (col >= o.n) return;
@@ -655,11 +655,11 @@ __global__ void __launch_bounds__(T::kThreads)
   wgmma_wait<0>();
   keep_in_place(acc);
 
+  // Each warpgroup's accumulators in wgmma_k32's layout: warp w of it holds rows 16 w + lane / 4
+  // and 8 below, columns 2 (lane % 4) and the next of each 8-column block.
   if constexpr (T::kMathThreads == 256) {
     if (!p.o.out_int64 && p.o.n % 8 == 0) return store_staged<AP, BP, T>(p.o, smem, bh, m0, n0, acc);
   }
-  // Each warpgroup's accumulators in wgmma_k32's layout: warp w of it holds rows 16 w + lane / 4
-  // and 8 below, columns 2 (lane % 4) and the next of each 8-column block.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = m0 + 64 * wg + 16 * warp + (lane >> 2) + 8 * h;
