@@ -306,10 +306,11 @@ CUtensorMap plane_map(const int8_t* planes, int64_t matrices, int64_t rows, int6
 }
 
 // The wgmma GEMM with tile T.
-template <class T, auto Kernel>
+template <int AB, bool AS, int BB, class T>
 void launch_wgmma_gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, cudaStream_t stream) {
-  launch_gemm<T, Kernel>(gp, bh, stream, plane_map(gp.a, bh * T::AP, gp.m_pad, gp.k_pad, T::kM),
-                         plane_map(gp.b, bh * T::BP, gp.n_pad, gp.k_pad, T::kN));
+  launch_gemm<T, magicube::spmm_dense::wgmma_gemm_kernel<AB, AS, BB, T>>(
+      gp, bh, stream, plane_map(gp.a, bh * T::AP, gp.m_pad, gp.k_pad, T::kM),
+      plane_map(gp.b, bh * T::BP, gp.n_pad, gp.k_pad, T::kN));
 }
 #endif
 
@@ -319,15 +320,11 @@ void gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, Gemm which, cu
   namespace dn = magicube::spmm_dense;
   constexpr int AP = dn::kPlanesOf<AB>, BP = dn::kPlanesOf<BB>;
 #ifdef MAGICUBE_SM90A
-  using Large = typename dn::WgmmaTiles<AP, BP>::Large;
-  using Small = typename dn::WgmmaTiles<AP, BP>::Small;
-  using SmallOneWave = typename dn::WgmmaTiles<AP, BP>::SmallOneWave;
-  if (which == Gemm::kWgmmaLarge)
-    return launch_wgmma_gemm<Large, dn::wgmma_gemm_kernel<AB, AS, BB, Large>>(gp, bh, stream);
-  if (which == Gemm::kWgmmaSmall)
-    return launch_wgmma_gemm<Small, dn::wgmma_gemm_kernel<AB, AS, BB, Small>>(gp, bh, stream);
+  using Tiles = dn::WgmmaTiles<AP, BP>;
+  if (which == Gemm::kWgmmaLarge) return launch_wgmma_gemm<AB, AS, BB, typename Tiles::Large>(gp, bh, stream);
+  if (which == Gemm::kWgmmaSmall) return launch_wgmma_gemm<AB, AS, BB, typename Tiles::Small>(gp, bh, stream);
   if (which == Gemm::kWgmmaSmallOneWave)
-    return launch_wgmma_gemm<SmallOneWave, dn::wgmma_gemm_kernel<AB, AS, BB, SmallOneWave>>(gp, bh, stream);
+    return launch_wgmma_gemm<AB, AS, BB, typename Tiles::SmallOneWave>(gp, bh, stream);
 #endif
   using T = typename dn::DefaultGemmTile<AP, BP>::type;
   launch_gemm<T, dn::gemm_kernel<AB, AS, BB, T>>(gp, bh, stream);
