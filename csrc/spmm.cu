@@ -204,8 +204,10 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // two estimates (the fitted constants) took 0.31-0.35 % more time than the faster way on the
 // geometric mean over those cells, at most 31 % in one. The expansion has since run 1.1-1.5x faster
 // (c3870c0), so the dense estimates run high by up to its saving; refitted on the faster expansion
-// they chose no better (0.37 % against these constants' 0.32 %, thirty-fifth round). A's planes are
-// capped at 1 GiB: past that the gather kernels run, slower, instead of the allocator failing.
+// they chose no better (0.37 % against these constants' 0.32 %, thirty-fifth round). The
+// one-product wgmma GEMM has since taken 0.66-0.88x its time (its staged stores, thirty-ninth
+// round), which the constants do not know either. A's planes are capped at 1 GiB: past that the
+// gather kernels run, slower, instead of the allocator failing.
 bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pad) {
   constexpr double kMega = 1e-6;
   constexpr int64_t kMaxWorkspace = int64_t{1} << 30;
