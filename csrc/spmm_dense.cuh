@@ -247,8 +247,7 @@ struct Output {
     if (out_int64) {
       static_cast<int64_t*>(out)[e] = x;
     } else {
-      const float sb = scale_b[static_cast<int64_t>(bh) * n + col];
-      static_cast<__half*>(out)[e] = __float2half_rn(__ll2float_rn(x) * (sa * sb));
+      static_cast<__half*>(out)[e] = __float2half_rn(scaled(x, sa, scale_b[static_cast<int64_t>(bh) * n + col]));
     }
   }
   // Columns col and col + 1 (col even, below N): where N is even, one store of both (the output
@@ -266,8 +265,10 @@ struct Output {
   // The fp16 outputs of columns col and col + 1 (both below N).
   __device__ __forceinline__ __half2 half_pair(int bh, int col, const int64_t (&x)[2], float sa) const {
     const float* sb = scale_b + static_cast<int64_t>(bh) * n + col;
-    return __floats2half2_rn(__ll2float_rn(x[0]) * (sa * sb[0]), __ll2float_rn(x[1]) * (sa * sb[1]));
+    return __floats2half2_rn(scaled(x[0], sa, sb[0]), scaled(x[1], sa, sb[1]));
   }
+  // The value an fp16 output rounds.
+  __device__ static __forceinline__ float scaled(int64_t x, float sa, float sb) { return __ll2float_rn(x) * (sa * sb); }
   __device__ __forceinline__ float row_scale(int bh, int row) const {
     return out_int64 ? 0.f : scale_a[static_cast<int64_t>(bh) * m + row];
   }
