@@ -80,18 +80,19 @@ Choice kernel_choice() {
 }
 
 // The resident-B kernel, where it applies: 8- or 4-bit B whose rows take 16-byte copies and a
-// 32-byte slice of all of B's rows fitting one CTA's shared memory. By default it runs on rows that
-// the gather kernel's narrow tile (128 bytes) holds, from a count of gathers that grows with the
-// share of the tile a row fills. The thresholds are where it paid on an H200 (8- and 4-bit B, M = K
-// 1024-4096, V 2 / 4 / 8, sparsity 0.7 / 0.9 / 0.98, both kernels forced; gathers in bytes per SM
-// and unit of V): rows of at most a quarter of the tile from 12 KB (8-bit B, N 32: 19 KB and more
-// won, up to 14.4 against 58.1 us; 8 KB and less lost, up to 4.3 against 4.0); of half a tile from
-// 36 KB (N 64: 39 KB and more won, up to 24.8 against 57.4 us; 16 KB and less lost, up to 4.4
-// against 3.9); full tiles from 300 KB (N 128: 310 KB and more won, up to 46.0 against 56.9 us, but
-// for one cell, 413 KB at sparsity 0.9, 22.8 against 21.9). Over those cells the choice took
-// 0-1.1 % more time than the faster kernel (geometric means per pair and N). Wider rows take the
-// gather kernel's wide tile at L2 bandwidth, and the resident kernel's shared-memory gathers lose to
-// bank conflicts (N 256: 8.6 against 14.5 us at the SpMM target). Returns whether it ran.
+// 32-byte slice of all of B's rows fitting one CTA's shared memory. By default it runs on rows of
+// up to one of the gather kernel's narrow tiles (128 bytes), or two of 4-bit B (which that kernel
+// takes in narrow tiles too), from a count of gathers (bytes per SM and unit of V) that depends on
+// the share of the tile a row fills: a quarter from 12 KB (8-bit B, N 32: 19 KB and more won, up to
+// 14.4 against 58.1 us; 8 KB and less lost, up to 4.3 against 4.0), half from 24 KB, a whole tile
+// from 96 KB, two tiles from 48 KB. The last three are where it paid on an H100 and an H200 (the
+// sweep's cells of the six 8- and 4-bit B pairs, M = K 512-4096, N 128-512, V 2 / 4 / 8, sparsity
+// 0.5-0.98, every way forced; kernel_checks.md, fortieth round): over the 1296 cells of each chip
+// the choice between the two took 0.34-0.74 % more time than the faster kernel per row width (the
+// thresholds before, fitted on an older resident kernel, 0.98-7.5 %), at most 1.23x in one cell.
+// Wider rows of 8-bit B take the gather kernel's wide tile at L2 bandwidth, and the resident
+// kernel's shared-memory gathers lose to bank conflicts (N 256: 8.6 against 14.5 us at the SpMM
+// target). Returns whether it ran.
 template <int AB, bool AS, int BB>
 bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
                      Choice choice) {
@@ -107,10 +108,11 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
                                              (vrows + sd::kResidentWarps - 1) / sd::kResidentWarps);
   // The gather kernel's bytes per SM and unit of V (each gathered row feeds V output rows), and
   // where the resident kernel starts to pay, by the share of the narrow tile that a row fills.
-  const int64_t tile = sd::kNarrowTileBytes;
-  const int64_t gathers = bh * nnz_pad * p.row_bytes / (props->multiProcessorCount * p.v);
-  const int64_t pays_from = 4 * p.row_bytes <= tile ? 12 << 10 : 2 * p.row_bytes <= tile ? 36 << 10 : 300 << 10;
-  const bool pays = p.row_bytes <= tile && gathers >= pays_from;
+  const int64_t tile = sd::kNarrowTileBytes, rb = p.row_bytes;
+  const int64_t gathers = bh * nnz_pad * rb / (props->multiProcessorCount * p.v);
+  const bool narrow = rb <= tile || (BB == 4 && rb <= 2 * tile);
+  const int64_t pays_from = 4 * rb <= tile ? 12 << 10 : 2 * rb <= tile ? 24 << 10 : rb <= tile ? 96 << 10 : 48 << 10;
+  const bool pays = narrow && gathers >= pays_from;
   if (choice == Choice::kAuto && !pays) return false;
   MAGICUBE_CHECK(slices <= 65535, "spmm: N too large");
   const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>(slices), static_cast<unsigned>(bh));
