@@ -199,17 +199,18 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // to 128, 6.5 to 256, 8.0 past. The dense path: 10.2 + 0.35 per MB of A's planes + 1.58 per million
 // stored values (A's slots, read once per row of a vector) + per GOP of one plane product (2 M N
 // K): 1.45 through cuBLAS (once per batch x head, about 2 more each after the first); in our GEMM
-// on mma.sync 3.10 or 4.60 for two or four products (1.57 for one unsigned product), on wgmma 0.94,
+// on mma.sync 3.10 or 4.60 for two or four products (1.57 for one unsigned product), on wgmma 0.76,
 // 1.7 and 2.75 for one, two and four products (2.1 for four in the smaller tile): constants fitted
 // as 1.05, 1.9, 3.3 and 2.5, then scaled by the time the GEMM took once its stages came by TMA
-// (geometric means over 15 cells, H200: 0.89, 0.91, 0.83; thirty-seventh round). Choosing by the
-// two estimates (the fitted constants) took 0.31-0.35 % more time than the faster way on the
-// geometric mean over those cells, at most 31 % in one. The expansion has since run 1.1-1.5x faster
+// (geometric means over 15 cells, H200: 0.89, 0.91, 0.83; thirty-seventh round) and one product's
+// once its fp16 stores were staged (0.81 on both chips over 7 cells; thirty-ninth round): on the
+// fortieth round's calibration (six pairs, both chips) that took the dense path's choice on the
+// one-product pairs from 0.75 % more time than the faster way to 0.58 %. Choosing by the two
+// estimates (the fitted constants) took 0.31-0.35 % more time than the faster way on the geometric
+// mean over those cells, at most 31 % in one. The expansion has since run 1.1-1.5x faster
 // (c3870c0), so the dense estimates run high by up to its saving; refitted on the faster expansion
-// they chose no better (0.37 % against these constants' 0.32 %, thirty-fifth round). The
-// one-product wgmma GEMM has since taken 0.66-0.88x its time (its staged stores, thirty-ninth
-// round), which the constants do not know either. A's planes are capped at 1 GiB: past that the
-// gather kernels run, slower, instead of the allocator failing.
+// they chose no better (0.37 % against these constants' 0.32 %, thirty-fifth round). A's planes are
+// capped at 1 GiB: past that the gather kernels run, slower, instead of the allocator failing.
 bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pad) {
   constexpr double kMega = 1e-6;
   constexpr int64_t kMaxWorkspace = int64_t{1} << 30;
@@ -220,7 +221,7 @@ bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pa
   double per_gop;
   if (d.cublas()) per_gop = 1.45;
   else if (d.gemm == Gemm::kMma) per_gop = products == 1 ? 1.57 : products == 2 ? 3.10 : 4.60;
-  else per_gop = products == 1 ? 0.94 : products == 2 ? 1.7 : d.gemm == Gemm::kWgmmaLarge ? 2.75 : 2.1;
+  else per_gop = products == 1 ? 0.76 : products == 2 ? 1.7 : d.gemm == Gemm::kWgmmaLarge ? 2.75 : 2.1;
   const double values_m = 1.0 * nnz_pad * p.v * kMega;
   const double dense_us = 10.2 + (d.cublas() ? 2.0 * (bh - 1) : 0.0) +
                           bh * (0.35 * a_mb + per_gop * product_gop + 1.58 * values_m);
