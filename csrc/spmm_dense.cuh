@@ -40,10 +40,10 @@ __device__ __forceinline__ int8_t plane_byte(int x, int q, int planes) {
   return static_cast<int8_t>(q + 1 < planes ? (x >> (8 * q)) & 255 : x >> (8 * q));
 }
 
-// The BITS-wide two's-complement value whose bits x holds (0 <= x < 2^BITS).
+// The BITS-wide two's-complement value in x's low bits (the bits above them are ignored).
 template <int BITS>
-__device__ __forceinline__ int sign_extend(int x) {
-  return x - ((x & (1 << (BITS - 1))) << 1);
+__device__ __forceinline__ int sign_extend(uint32_t x) {
+  return static_cast<int>(x << (32 - BITS)) >> (32 - BITS);
 }
 
 // Element e of a container of signed `bits`-wide values (B's; 4-bit ones two to a byte, low
@@ -51,7 +51,7 @@ __device__ __forceinline__ int sign_extend(int x) {
 template <int BITS>
 __device__ __forceinline__ int element(const uint8_t* base, int64_t e) {
   if constexpr (BITS == 4) {
-    return sign_extend<4>((base[e >> 1] >> (4 * (e & 1))) & 0xF);
+    return sign_extend<4>(base[e >> 1] >> (4 * (e & 1)));
   } else if constexpr (BITS == 8) {
     return reinterpret_cast<const int8_t*>(base)[e];
   } else {
@@ -69,12 +69,14 @@ struct Quad {
     else if constexpr (BITS == 8) return *reinterpret_cast<const uint32_t*>(base + e);
     else return *reinterpret_cast<const uint2*>(base + 2 * e);
   }
+  // Value j in a word's low bits (the bits above them are the next values').
+  __device__ static __forceinline__ uint32_t low(Word w, int j) {
+    if constexpr (BITS == 16) return (j < 2 ? w.x : w.y) >> (16 * (j & 1));
+    else return w >> (BITS * j);
+  }
   template <bool SIGNED>
   __device__ static __forceinline__ int value(Word w, int j) {
-    int x;
-    if constexpr (BITS == 16) x = ((j < 2 ? w.x : w.y) >> (16 * (j & 1))) & 0xFFFF;
-    else x = (w >> (BITS * j)) & ((1 << BITS) - 1);
-    return SIGNED ? sign_extend<BITS>(x) : x;
+    return SIGNED ? sign_extend<BITS>(low(w, j)) : low(w, j) & ((1u << BITS) - 1);
   }
 };
 
@@ -100,25 +102,28 @@ constexpr int kBTileBytes = kBTile * (kBTile + 1) * 4;
 
 // The V rows of every plane of G vector rows x strip of A, for one batch x head: built in shared
 // memory (zeros, then the kept values scattered by column) and written out with 16-byte stores, so
-// the global writes are whole lines however sparse the row. Each of the G rows has a team of the
-// CTA's threads. Slots are read in storage order (no ascending columns assumed); a row wider than
-// the strip is read once per strip. A thread takes four consecutive slots of one row of a 32-slot
-// block (their values are adjacent, as are their columns), kUnroll such quads with all their loads
-// issued before any store. The kernel is bound by instruction issue (Nsight Compute, M = K = 4096:
-// some 0.7 warp instructions a scheduler a cycle), hence the planes and G as compile-time counts
-// (counted at run time, the planes put loops in the scatter and took 60-62 registers, and the
-// kernel 1.1-1.5x the time; G, 1.0-1.1x) and the groups where there are CTAs to spare (a row of
-// V 2 at sparsity 0.7 fills 2.4 of a CTA's 4 quads a thread, and the CTA's fixed work is paid
-// once a group).
+// the global writes are whole lines however sparse the row. The strip holds each value's plane
+// bytes side by side, which for two planes are its 16-bit container as stored (low byte first, see
+// the file comment): each value is one shared store, and the copy out splits the planes apart
+// (H200, M = K 1024-4096, the forced dense path: 0.95-0.98x the time with 12- and 16-bit A against
+// a store per plane, with the scatter's shared address and value bits below). Each of the G rows
+// has a team of the CTA's threads. Slots are read in storage order (no ascending columns assumed);
+// a row wider than the strip is read once per strip. A thread takes four consecutive slots of one
+// row of a 32-slot block (their values are adjacent, as are their columns), kUnroll such quads with
+// all their loads issued before any store. The kernel is bound by instruction issue (Nsight
+// Compute, M = K = 4096: some 0.7 warp instructions a scheduler a cycle), hence the planes and G as
+// compile-time counts (counted at run time, the planes put loops in the scatter and took 60-62
+// registers, and the kernel 1.1-1.5x the time; G, 1.0-1.1x) and the groups where there are CTAs to
+// spare (a row of V 2 at sparsity 0.7 fills 2.4 of a CTA's 4 quads a thread, and the CTA's fixed
+// work is paid once a group).
 template <int AB, bool AS, int G>
 __device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* strip, int group, int bh) {
   constexpr int kUnroll = 4, kPlanes = kPlanesOf<AB>, kTeam = kExpandThreads / G;
   using Q = Quad<AB>;
   const int c0 = blockIdx.y * p.strip_cols;
   const int cols = min(p.strip_cols, p.k_pad - c0);
-  const int plane_rows = G * p.v;  // a plane's rows in the strip
   int4* strip16 = reinterpret_cast<int4*>(strip);
-  for (int i = threadIdx.x; i < kPlanes * plane_rows * p.strip_cols / 16; i += kExpandThreads)
+  for (int i = threadIdx.x; i < kPlanes * G * p.v * p.strip_cols / 16; i += kExpandThreads)
     strip16[i] = make_int4(0, 0, 0, 0);
 
   // Block b of the row holds V x 32 values row-major, so quad item = (b * V + i) * 8 + j covers
@@ -131,7 +136,10 @@ __device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* str
   const int start = in_rows ? p.row_ptr[2 * vrow] : 0;
   const int items = in_rows ? (p.row_ptr[2 * vrow + 1] - start + 31) / 32 * p.v * 8 : 0;
   const int v_shift = __ffs(p.v) - 1;
-  int8_t* team_strip = strip + team * p.v * p.strip_cols;
+  using Bytes = std::conditional_t<kPlanes == 2, uint16_t, uint8_t>;  // a value's plane bytes
+  // Through a shuffle, the strip's address stays in a register: ptxas otherwise recomputes it (S2R,
+  // MOV, LEA) before each of the scatter's stores.
+  const uint32_t team_strip = __shfl_sync(~0u, smem_addr(strip), 0) + team * p.v * p.strip_cols * kPlanes;
   __syncthreads();
   for (int base = 0; base < items; base += kUnroll * kTeam) {
     int4 col[kUnroll];
@@ -149,15 +157,17 @@ __device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* str
     for (int u = 0; u < kUnroll; ++u) {
       const int item = base + u * kTeam + lane;
       if (item >= items) break;
-      const int row = (item >> 3) & (p.v - 1);
-      const int c[4] = {col[u].x - c0, col[u].y - c0, col[u].z - c0, col[u].w - c0};
+      const uint32_t row_strip = team_strip + ((item >> 3) & (p.v - 1)) * p.strip_cols * kPlanes;
+      // As unsigned, the columns outside the strip (below c0 too) are at least `cols`.
+      const unsigned c[4] = {static_cast<unsigned>(col[u].x - c0), static_cast<unsigned>(col[u].y - c0),
+                             static_cast<unsigned>(col[u].z - c0), static_cast<unsigned>(col[u].w - c0)};
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        if (c[j] >= 0 && c[j] < cols) {
-          const int value = Q::template value<AS>(x[u], j);
-#pragma unroll
-          for (int q = 0; q < kPlanes; ++q)
-            team_strip[(q * plane_rows + row) * p.strip_cols + c[j]] = plane_byte(value, q, kPlanes);
+        if (c[j] < static_cast<unsigned>(cols)) {
+          // The store keeps the low bytes: 8- and 16-bit values fill them as they are, 4-bit ones
+          // are extended.
+          const uint32_t bits = AB == 8 * kPlanes ? Q::low(x[u], j) : Q::template value<AS>(x[u], j);
+          st_shared<Bytes>(row_strip + kPlanes * c[j], bits);
         }
     }
   }
@@ -166,15 +176,26 @@ __device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* str
   // Short as it is, this kernel is bound by instruction issue (at M = K = 4096 and 2 or 3 CTAs of
   // work per SM): the loops here keep their index arithmetic out of the per-chunk path.
   const int rows = (G == 1 ? 1 : min(G, p.vrows - G * group)) * p.v;
-#pragma unroll
-  for (int q = 0; q < kPlanes; ++q)
-    for (int i = 0; i < rows; ++i) {
-      const int8_t* src = strip + (q * plane_rows + i) * p.strip_cols;
-      int8_t* dst = p.a_out + ((static_cast<int64_t>(bh) * kPlanes + q) * p.m_pad +
-                               static_cast<int64_t>(G) * group * p.v + i) * p.k_pad + c0;
-      for (int c = 16 * threadIdx.x; c < cols; c += 16 * kExpandThreads)
-        *reinterpret_cast<int4*>(dst + c) = *reinterpret_cast<const int4*>(src + c);
+  const int64_t plane_bytes = static_cast<int64_t>(p.m_pad) * p.k_pad;
+  for (int i = 0; i < rows; ++i) {
+    const int8_t* src = strip + i * kPlanes * p.strip_cols;
+    int8_t* dst = p.a_out + (static_cast<int64_t>(bh) * kPlanes * p.m_pad + static_cast<int64_t>(G) * group * p.v + i) *
+                                p.k_pad + c0;
+    for (int c = 16 * threadIdx.x; c < cols; c += 16 * kExpandThreads) {
+      const int4 w = *reinterpret_cast<const int4*>(src + kPlanes * c);
+      if constexpr (kPlanes == 1) {
+        *reinterpret_cast<int4*>(dst + c) = w;
+      } else {
+        // 16 values' containers: their low bytes to plane 0, their high bytes to plane 1.
+        const int4 w1 = *reinterpret_cast<const int4*>(src + 2 * c + 16);
+        *reinterpret_cast<int4*>(dst + c) = make_int4(__byte_perm(w.x, w.y, 0x6420), __byte_perm(w.z, w.w, 0x6420),
+                                                      __byte_perm(w1.x, w1.y, 0x6420), __byte_perm(w1.z, w1.w, 0x6420));
+        *reinterpret_cast<int4*>(dst + plane_bytes + c) =
+            make_int4(__byte_perm(w.x, w.y, 0x7531), __byte_perm(w.z, w.w, 0x7531), __byte_perm(w1.x, w1.y, 0x7531),
+                      __byte_perm(w1.z, w1.w, 0x7531));
+      }
     }
+  }
 }
 
 // B's planes for one 64 x 64 tile, transposed through shared memory (the int8 GEMM takes its
@@ -571,7 +592,7 @@ __device__ __forceinline__ void store_staged(const Output& o, uint32_t smem, int
       int64_t x[2];
       recombine_pair<AP, BP>([&](int qa, int qb, int e) { return acc[qa][qb][4 * j + 2 * h + e]; }, x);
       const __half2 v = o.half_pair(bh, n0 + c, x, sa);
-      st_shared_u32(rows + r * kRowBytes + 2 * c, *reinterpret_cast<const uint32_t*>(&v));
+      st_shared<uint32_t>(rows + r * kRowBytes + 2 * c, *reinterpret_cast<const uint32_t*>(&v));
     }
   }
   __syncwarp();

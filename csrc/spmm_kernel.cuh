@@ -263,16 +263,6 @@ __device__ __forceinline__ void dense4_fragments(const uint32_t (&r)[4], uint32_
   }
 }
 
-__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ uint2 lds64(uint32_t addr) {
-  uint2 v;
-  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
-  return v;
-}
 
 __device__ __forceinline__ float to_float(int x) { return __int2float_rn(x); }
 __device__ __forceinline__ float to_float(int64_t x) { return __ll2float_rn(x); }
@@ -510,7 +500,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks) {
         uint2 bw = make_uint2(0, 0);
-        if (row_live) bw = lds64(sparse0 + g * K::kSparseRowBytes + 32 * ks + 8 * t);
+        if (row_live) bw = ld_shared_v2(sparse0 + g * K::kSparseRowBytes + 32 * ks + 8 * t);
         const int row = 16 * ks + 8 * (lm >> 1) + li;
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
@@ -522,8 +512,8 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
       }
     } else {
       SparseWords<K> a;
-      load_sparse_words<K>(g, t, row_live, [&](int off) { return lds32(sparse0 + off); },
-                           [&](int off) { return lds64(sparse0 + off); }, a);
+      load_sparse_words<K>(g, t, row_live, [&](int off) { return ld_shared_b32(sparse0 + off); },
+                           [&](int off) { return ld_shared_v2(sparse0 + off); }, a);
       uint32_t sb[K::kAPlanes][2];
       sparse_fragment<K>(a, sb);
       const uint32_t lrow = stage + (8 * lm + li) * kTileBytes;
