@@ -205,11 +205,13 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // (geometric means over 15 cells, H200: 0.89, 0.91, 0.83; thirty-seventh round) and one product's
 // once its fp16 stores were staged (0.81 on both chips over 7 cells; thirty-ninth round): on the
 // fortieth round's calibration (six pairs, both chips) that took the dense path's choice on the
-// one-product pairs from 0.75 % more time than the faster way to 0.58 %. Choosing by the two
-// estimates (the fitted constants) took 0.31-0.35 % more time than the faster way on the geometric
-// mean over those cells, at most 31 % in one. The expansion has since run 1.1-1.5x faster
-// (c3870c0), so the dense estimates run high by up to its saving; refitted on the faster expansion
-// they chose no better (0.37 % against these constants' 0.32 %, thirty-fifth round). A's planes are
+// one-product pairs from 0.75 % more time than the faster way to 0.58 %. Over the fit's own cells,
+// choosing by the two estimates (the fitted constants) took 0.31-0.35 % more time than the faster
+// way on the geometric mean, at most 31 % in one. The expansion has since run 1.1-1.5x faster
+// (c3870c0), and with 12- and 16-bit A 1.05x again (forty-first round), so the dense estimates run
+// high by up to its saving; refitted on the faster expansion they chose no better (0.37 % against
+// these constants' 0.32 %, thirty-fifth round), nor did the two-plane pairs' expansion terms scaled
+// by 0.7-0.95 (0.38-0.61 % against 0.38-0.40 %, forty-first round's calibration). A's planes are
 // capped at 1 GiB: past that the gather kernels run, slower, instead of the allocator failing.
 bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pad) {
   constexpr double kMega = 1e-6;
