@@ -83,13 +83,14 @@ Choice kernel_choice() {
 // 32-byte slice of all of B's rows fitting one CTA's shared memory. By default it runs on rows of
 // up to one of the gather kernel's narrow tiles (128 bytes), or two of 4-bit B (which that kernel
 // takes in narrow tiles too), from a count of gathers (bytes per SM and unit of V) that depends on
-// the share of the tile a row fills: a quarter from 12 KB (8-bit B, N 32: 19 KB and more won, up to
-// 14.4 against 58.1 us; 8 KB and less lost, up to 4.3 against 4.0), half from 24 KB, a whole tile
-// from 96 KB, two tiles from 48 KB. The last three are where it paid on an H100 and an H200 (the
-// sweep's cells of the six 8- and 4-bit B pairs, M = K 512-4096, N 128-512, V 2 / 4 / 8, sparsity
-// 0.5-0.98, every way forced; kernel_checks.md, fortieth round): over the 1296 cells of each chip
-// the choice between the two took 0.34-0.74 % more time than the faster kernel per row width (the
-// thresholds before, fitted on an older resident kernel, 0.98-7.5 %), at most 1.23x in one cell.
+// the share of the tile a row fills: an eighth from 6 KB, a quarter from 12 KB, half from 24 KB, a
+// whole tile from 96 KB, two tiles from 48 KB. That is where it paid on an H100 and an H200 (the
+// sweep's cells of the six 8- and 4-bit B pairs, M = K 512-4096, V 2 / 4 / 8, sparsity 0.5-0.98,
+// every way forced; kernel_checks.md, fortieth and forty-first rounds): at N 128-512, over the 1296
+// cells of each chip, the choice between the two took 0.34-0.74 % more time than the faster kernel
+// per row width (the thresholds before, fitted on an older resident kernel, 0.98-7.5 %), at most
+// 1.23x in one cell; at N 32 and 64, over 864 cells, 0.0-0.5 % (16-byte rows, 4-bit B of N 32, at 12
+// KB: 3.7-3.9 %; the resident kernel won every cell from 6.3 KB on, up to 1.5x).
 // Wider rows of 8-bit B take the gather kernel's wide tile at L2 bandwidth, and the resident
 // kernel's shared-memory gathers lose to bank conflicts (N 256: 8.6 against 14.5 us at the SpMM
 // target). Returns whether it ran.
@@ -111,7 +112,11 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const int64_t tile = sd::kNarrowTileBytes, rb = p.row_bytes;
   const int64_t gathers = bh * nnz_pad * rb / (props->multiProcessorCount * p.v);
   const bool narrow = rb <= tile || (BB == 4 && rb <= 2 * tile);
-  const int64_t pays_from = 4 * rb <= tile ? 12 << 10 : 2 * rb <= tile ? 24 << 10 : rb <= tile ? 96 << 10 : 48 << 10;
+  const int64_t pays_from = 8 * rb <= tile   ? 6 << 10
+                            : 4 * rb <= tile ? 12 << 10
+                            : 2 * rb <= tile ? 24 << 10
+                            : rb <= tile     ? 96 << 10
+                                             : 48 << 10;
   const bool pays = narrow && gathers >= pays_from;
   if (choice == Choice::kAuto && !pays) return false;
   MAGICUBE_CHECK(slices <= 65535, "spmm: N too large");
@@ -414,16 +419,24 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
 }
 
 // An integer pair: the dense path where `dense` says so, else the resident-B kernel where it
-// applies and pays, else the gather kernel.
+// applies and pays, else the gather kernel. On rows of at most half a narrow tile the resident
+// kernel comes first where it pays: the dense model weighs the dense path against the gather
+// kernel only, and there the resident kernel beat both (N 32 and 64, both chips: 1.1-1.9x faster
+// than the dense path in the 10 cells a chip where the model took it; simulated over those 864
+// cells, with the eighth-tile threshold, the whole choice took 0.4 % more time than the fastest way
+// against 1.8-2.0 %).
 template <int AB, int BB>
 void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
                  bool a_signed, Choice choice, const std::optional<Dense>& dense) {
-  if (dense) return run_dense<AB, BB>(p, *dense, vrows, bh, a_signed, stream);
+  namespace sd = magicube::spmm_detail;
+  const bool resident_first = choice == Choice::kAuto && 2 * p.row_bytes <= sd::kNarrowTileBytes;
+  if (dense && !resident_first) return run_dense<AB, BB>(p, *dense, vrows, bh, a_signed, stream);
   if constexpr (BB == 8 || BB == 4) {
     const bool ran = a_signed ? launch_resident<AB, true, BB>(p, vrows, bh, nnz_pad, stream, fast, choice)
                               : launch_resident<AB, false, BB>(p, vrows, bh, nnz_pad, stream, fast, choice);
     if (ran) return;
   }
+  if (dense) return run_dense<AB, BB>(p, *dense, vrows, bh, a_signed, stream);
   launch_signed<AB, BB>(p, vrows, bh, stream, fast, a_signed);
 }
 
