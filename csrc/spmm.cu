@@ -424,17 +424,17 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
 // kernel only, and there the resident kernel beat both (N 32 and 64, both chips: 1.1-1.9x faster
 // than the dense path in the 10 cells a chip where the model took it; simulated over those 864
 // cells, with the eighth-tile threshold, the whole choice took 0.4 % more time than the fastest way
-// against 1.8-2.0 %).
+// against 1.8-2.0 %). A forced dense path never tries it (launch_resident).
 template <int AB, int BB>
 void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
                  bool a_signed, Choice choice, const std::optional<Dense>& dense) {
-  namespace sd = magicube::spmm_detail;
-  const bool resident_first = choice == Choice::kAuto && 2 * p.row_bytes <= sd::kNarrowTileBytes;
-  if (dense && !resident_first) return run_dense<AB, BB>(p, *dense, vrows, bh, a_signed, stream);
   if constexpr (BB == 8 || BB == 4) {
-    const bool ran = a_signed ? launch_resident<AB, true, BB>(p, vrows, bh, nnz_pad, stream, fast, choice)
-                              : launch_resident<AB, false, BB>(p, vrows, bh, nnz_pad, stream, fast, choice);
-    if (ran) return;
+    const bool resident_first = 2 * p.row_bytes <= magicube::spmm_detail::kNarrowTileBytes;
+    if (!dense || resident_first) {
+      const bool ran = a_signed ? launch_resident<AB, true, BB>(p, vrows, bh, nnz_pad, stream, fast, choice)
+                                : launch_resident<AB, false, BB>(p, vrows, bh, nnz_pad, stream, fast, choice);
+      if (ran) return;
+    }
   }
   if (dense) return run_dense<AB, BB>(p, *dense, vrows, bh, a_signed, stream);
   launch_signed<AB, BB>(p, vrows, bh, stream, fast, a_signed);

@@ -1,0 +1,84 @@
+"""Which way the integer SpMM runs (csrc/spmm.cu: dense_pays, launch_resident, launch_pair), read
+from the names of the kernels that a profiled call launches: the ways give equal answers, so the
+other tests cannot tell them apart. The automatic choice's cells lie far from its thresholds (by
+its own estimates at least 1.2x between the ways it weighs, mostly 2-20x), so they hold on any
+GPU that fits B's slice in shared memory; a forced way runs where it applies, whatever the
+estimates say.
+"""
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from conftest import load_kernels
+from magicube.ops import SRBCRS, random_vector_mask, to_container
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# A way, by a kernel that only it launches (the dense path's GEMM is cuBLAS's or one of ours).
+WAY_KERNELS = {"gather": "spmm_kernel<", "resident": "spmm_resident_kernel<", "dense": "expand_kernel<"}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return load_kernels("spmm")
+
+
+def _ways_run(a_bits, b_bits, v, sparsity, mk, n):
+    """The ways that one call launched on random operands: M = K = mk, BH 1, int64 output."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mask = random_vector_mask(mk, mk, v, sparsity, seed=1)
+    p = SRBCRS.from_mask(mask, stride=32).to("cuda")
+    emask = mask.to_dense().to("cuda")
+    lo, hi = -(1 << (a_bits - 1)), 1 << (a_bits - 1)
+    a = torch.randint(lo, hi, (1, mk, mk), device="cuda", dtype=torch.int32, generator=g)
+    a_values = to_container(p.pack_values(a * emask), a_bits)
+    lo, hi = -(1 << (b_bits - 1)), 1 << (b_bits - 1)
+    b = to_container(torch.randint(lo, hi, (1, mk, n), device="cuda", dtype=torch.int32, generator=g), b_bits)
+
+    def call():
+        return torch.ops.magicube_cuda.spmm(p.row_ptr, p.col_idx, p.row_order, a_values, b, None, None, v, mk,
+                                            a_bits, True, b_bits, torch.int64, p.longest_row)
+
+    call()  # loads cuBLAS and settles the allocator outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    return {way for way, kernel in WAY_KERNELS.items() if any(kernel in name for name in names)}
+
+
+# (a_bits, b_bits, V, sparsity, M = K, N, the way): rows of B in bytes are N x b_bits / 8.
+AUTO_CASES = {
+    # The SpMM target: rows of 256 bytes, wider than the resident kernel takes, and few gathers.
+    "target-gather": (8, 8, 8, 0.9, 4096, 256, "gather"),
+    # Low V and sparsity: each row of B gathered 512 times, dense by far (both pairs).
+    "low-sparsity-dense": (8, 8, 2, 0.5, 2048, 256, "dense"),
+    "low-sparsity-dense-16-bit-a": (16, 8, 2, 0.5, 2048, 256, "dense"),
+    # Rows of 32 bytes and some 27 KB of gathers an SM (132 SMs): the resident kernel, which pays
+    # from 12 KB.
+    "narrow-resident": (8, 8, 2, 0.9, 2048, 32, "resident"),
+    # Rows of 64 bytes where the dense path pays against the gather kernel: the resident kernel
+    # comes first (launch_pair), as it does on 4-bit B of the same bytes.
+    "resident-before-dense": (8, 8, 2, 0.5, 2048, 64, "resident"),
+    "resident-before-dense-4-bit-b": (8, 4, 2, 0.5, 2048, 128, "resident"),
+    # Few gathers of narrow rows: neither the resident kernel (0.5 KB against 12) nor the dense path.
+    "narrow-few-gathers-gather": (8, 8, 8, 0.98, 2048, 32, "gather"),
+}
+
+
+@pytest.mark.parametrize("case", AUTO_CASES.values(), ids=AUTO_CASES.keys())
+def test_automatic_choice(kernels, monkeypatch, case):
+    *shape, way = case
+    monkeypatch.delenv("MAGICUBE_SPMM_KERNEL", raising=False)
+    assert _ways_run(*shape) == {way}
+
+
+@pytest.mark.parametrize("way", ["gather", "resident", "dense"])
+def test_forced_way_runs(kernels, monkeypatch, way):
+    """MAGICUBE_SPMM_KERNEL runs the way it names, whatever the automatic choice would take (here
+    the gather kernel)."""
+    monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", way)
+    assert _ways_run(8, 8, 8, 0.9, 2048, 64) == {way}
