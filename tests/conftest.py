@@ -18,9 +18,11 @@ def awkward_mask(m: int, k: int, v: int, sparsity: float, seed: int) -> VectorMa
 
 
 def random_ints(shape, bits: int, signed: bool = True, generator=None) -> torch.Tensor:
-    """Uniform integers over the whole range of the type, extremes included."""
+    """Uniform integers over the whole range of the type, extremes included (on the generator's
+    device)."""
     lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1))) if signed else (0, 1 << bits)
-    return torch.randint(lo, hi, shape, generator=generator, dtype=torch.int64)
+    device = generator.device if generator is not None else None
+    return torch.randint(lo, hi, shape, generator=generator, dtype=torch.int64, device=device)
 
 
 def problem(bh, rows, k, v, sparsity, seed, shuffle=False):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from conftest import load_kernels
+from conftest import load_kernels, random_ints
 from magicube.ops import SRBCRS, random_vector_mask, to_container
 
 pytestmark = [pytest.mark.gpu,
@@ -31,11 +31,8 @@ def _ways_run(a_bits, b_bits, v, sparsity, mk, n):
     mask = random_vector_mask(mk, mk, v, sparsity, seed=1)
     p = SRBCRS.from_mask(mask, stride=32).to("cuda")
     emask = mask.to_dense().to("cuda")
-    lo, hi = -(1 << (a_bits - 1)), 1 << (a_bits - 1)
-    a = torch.randint(lo, hi, (1, mk, mk), device="cuda", dtype=torch.int32, generator=g)
-    a_values = to_container(p.pack_values(a * emask), a_bits)
-    lo, hi = -(1 << (b_bits - 1)), 1 << (b_bits - 1)
-    b = to_container(torch.randint(lo, hi, (1, mk, n), device="cuda", dtype=torch.int32, generator=g), b_bits)
+    a_values = to_container(p.pack_values(random_ints((1, mk, mk), a_bits, True, g) * emask), a_bits)
+    b = to_container(random_ints((1, mk, n), b_bits, True, g), b_bits)
 
     def call():
         return torch.ops.magicube_cuda.spmm(p.row_ptr, p.col_idx, p.row_order, a_values, b, None, None, v, mk,
