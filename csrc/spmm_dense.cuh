@@ -189,11 +189,10 @@ __device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* str
       } else {
         // 16 values' containers: their low bytes to plane 0, their high bytes to plane 1.
         const int4 w1 = *reinterpret_cast<const int4*>(src + 2 * c + 16);
-        *reinterpret_cast<int4*>(dst + c) = make_int4(__byte_perm(w.x, w.y, 0x6420), __byte_perm(w.z, w.w, 0x6420),
-                                                      __byte_perm(w1.x, w1.y, 0x6420), __byte_perm(w1.z, w1.w, 0x6420));
+        *reinterpret_cast<int4*>(dst + c) =
+            make_int4(even_bytes(w.x, w.y), even_bytes(w.z, w.w), even_bytes(w1.x, w1.y), even_bytes(w1.z, w1.w));
         *reinterpret_cast<int4*>(dst + plane_bytes + c) =
-            make_int4(__byte_perm(w.x, w.y, 0x7531), __byte_perm(w.z, w.w, 0x7531), __byte_perm(w1.x, w1.y, 0x7531),
-                      __byte_perm(w1.z, w1.w, 0x7531));
+            make_int4(odd_bytes(w.x, w.y), odd_bytes(w.z, w.w), odd_bytes(w1.x, w1.y), odd_bytes(w1.z, w1.w));
       }
     }
   }

@@ -263,7 +263,6 @@ __device__ __forceinline__ void dense4_fragments(const uint32_t (&r)[4], uint32_
   }
 }
 
-
 __device__ __forceinline__ float to_float(int x) { return __int2float_rn(x); }
 __device__ __forceinline__ float to_float(int64_t x) { return __ll2float_rn(x); }
 
