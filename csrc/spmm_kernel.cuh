@@ -18,15 +18,16 @@
 // cp.async pipeline. The gather is the limiter: every kept vector re-reads a whole row slice of B
 // from L2 (measured on an H200: ~7-8 TB/s effective at large problems; latency-bound when the grid
 // is small), so the pipeline keeps three blocks in flight per CTA with several CTAs per SM, and the
-// column indices of the next block are prefetched into registers one step ahead so the gather
-// addresses never wait on a dependent load. The online transpose of the gathered tile happens on
-// the way out of shared memory: ldmatrix.trans transposes byte pairs and one prmt per register
-// finishes the 8-bit transpose (16-bit planes fall out of the same prmt). Slots are placed in
-// shared memory rows so that each ldmatrix 8x8 matrix reads 8 consecutive rows, and the 16-byte
-// chunks are XOR-swizzled with the row so those reads and the cp.async writes are bank-conflict
-// free. Because the MMA's k order is free as long as both operands agree, the sparse fragment is
-// loaded in whatever order its container makes cheapest (no int4 column shuffle is needed; the
-// kernel works on shuffled and unshuffled patterns alike).
+// column indices of the next blocks are prefetched into registers one or two steps ahead
+// (Kind::kColsAhead) so the gather addresses seldom wait on a dependent load. The online
+// transpose of the gathered tile happens on the way out of shared memory: ldmatrix.trans
+// transposes byte pairs and one prmt per register finishes the 8-bit transpose (16-bit planes
+// fall out of the same prmt). Slots are placed in shared memory rows so that each ldmatrix 8x8
+// matrix reads 8 consecutive rows, and the 16-byte chunks are XOR-swizzled with the row so those
+// reads and the cp.async writes are bank-conflict free. Because the MMA's k order is free as long
+// as both operands agree, the sparse fragment is loaded in whatever order its container makes
+// cheapest (no int4 column shuffle is needed; the kernel works on shuffled and unshuffled
+// patterns alike).
 //
 // Wide operands: 16-bit values are two byte planes, x = hi * 256 + lo (hi signed, or unsigned for
 // u16; lo unsigned), multiplied plane by plane with mixed-signedness MMAs and recombined with
@@ -100,6 +101,11 @@ struct Kind {
   static constexpr int kWarpChunks = kChunks / kWarps;
   static constexpr int kMTiles = kWarpChunks * kColsPerChunk / 16;
   static constexpr int kShift = (AB == 4 ? 4 : 0) + (BB == 4 ? 4 : 0);
+  // Steps before its gather is issued that a block's column indices are loaded (spmm_kernel). Two
+  // hide more of their latency and hold kCopyRows more registers. H200, gather kernel, M = K
+  // 1024-4096, N 128 and 256, V 2-8, sparsity 0.7-0.98, two steps against one: L4-R4 0.961x the
+  // time, L16-R8 0.986x, L16-R4 0.992x, L12-R4 0.994x, but L8-R4 1.021x and L8-R8 1.014x.
+  static constexpr int kColsAhead = (AB == 4 || AB == 16) && (BB == 4 || BB == 8) ? 2 : 1;
 
   // Shared-memory row of block slot s (0..31): ldmatrix matrix j reads rows 8j..8j+7, and the
   // MMA k order it yields must match the sparse fragment's (see the file comment).
@@ -551,26 +557,36 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
     }
   };
 
-  // Pipeline: blocks it+1 .. it+kStages-1 are in flight while block it is computed.
-  int next_cols[kCopyRows];
+  // Pipeline: blocks it+1 .. it+kStages-1 are in flight while block it is computed. The column
+  // indices of the next kColsAhead blocks to issue are in registers, each loaded kColsAhead steps
+  // before its gather is issued.
+  constexpr int kColsAhead = K::kColsAhead;
+  int next_cols[kColsAhead][kCopyRows];
 #pragma unroll
-  for (int q = 0; q < kCopyRows; ++q) next_cols[q] = -1;
+  for (int a = 0; a < kColsAhead; ++a)
+#pragma unroll
+    for (int q = 0; q < kCopyRows; ++q) next_cols[a][q] = -1;
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < nblocks) {
-      fetch_cols(s, next_cols);
-      issue(s, next_cols);
+      fetch_cols(s, next_cols[0]);
+      issue(s, next_cols[0]);
     }
     cp_async_commit();
   }
-  fetch_cols(kStages - 1, next_cols);
+#pragma unroll
+  for (int a = 0; a < kColsAhead; ++a) fetch_cols(kStages - 1 + a, next_cols[a]);
   int since_fold = 0;
   for (int it = 0; it < nblocks; ++it) {
     cp_async_wait<kStages - 2>();
     __syncthreads();
-    if (it + kStages - 1 < nblocks) issue(it + kStages - 1, next_cols);
+    if (it + kStages - 1 < nblocks) issue(it + kStages - 1, next_cols[0]);
     cp_async_commit();
-    fetch_cols(it + kStages, next_cols);
+#pragma unroll
+    for (int a = 0; a + 1 < kColsAhead; ++a)
+#pragma unroll
+      for (int q = 0; q < kCopyRows; ++q) next_cols[a][q] = next_cols[a + 1][q];
+    fetch_cols(it + kStages - 1 + kColsAhead, next_cols[kColsAhead - 1]);
     compute(it);
     r.multiplied(1, since_fold);
   }
