@@ -132,7 +132,7 @@ void launch_signed(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stre
 }
 
 // Which of our GEMMs multiplies the planes where cuBLAS's does not (pick_gemm).
-enum class Gemm { kMma, kWgmmaLarge, kWgmmaSmall, kWgmmaSmallOneWave };
+enum class Gemm { kMma, kWgmmaLarge, kWgmmaSmall, kWgmmaSmallOneWave, kWgmmaLeast, kWgmmaLeastOneWave };
 
 // The dense path (spmm_dense.cuh): the GEMM's operands, padded to kAlign rows and columns (cuBLAS's
 // int8 GEMM takes K and N in multiples of 8 and more than 16 rows of A; ours, K in 16-byte chunks),
@@ -155,9 +155,10 @@ struct DenseShape {
 // Each SM takes in about 50 GB/s from L2 (H200), which bounds both of our GEMMs: their time is the
 // bytes of operand tiles an SM reads, and larger output tiles read fewer bytes per product but
 // leave SMs idle where there are fewer tiles than SMs. On Hopper (in an sm_90a build), the wgmma
-// GEMM's larger tile where its tiles fill 3/4 of the SMs, else its smaller one where that does
-// (with a deeper ring where its tiles fit one wave), else (and on other GPUs) the mma.sync GEMM;
-// `force_wgmma` takes the wgmma GEMM's smaller tile there instead (tests).
+// GEMM's larger tile where its tiles fill 3/4 of the SMs, else its smaller one where that does,
+// else its least where that does (either with a deeper ring where its tiles fit one wave), else
+// (and on other GPUs) the mma.sync GEMM; `force_wgmma` takes the wgmma GEMM's smaller tile there
+// instead (tests).
 template <int AP, int BP>
 Gemm pick_gemm(int64_t m_pad, int64_t n_pad, int64_t bh, bool force_wgmma) {
 #ifdef MAGICUBE_SM90A
@@ -166,14 +167,16 @@ Gemm pick_gemm(int64_t m_pad, int64_t n_pad, int64_t bh, bool force_wgmma) {
   if (props->major == 9) {
     using Large = typename dn::WgmmaTiles<AP, BP>::Large;
     using Small = typename dn::WgmmaTiles<AP, BP>::Small;
-    const int64_t fill = props->multiProcessorCount * 3 / 4;
+    using Least = typename dn::WgmmaTiles<AP, BP>::Least;
+    const int64_t sms = props->multiProcessorCount, fill = sms * 3 / 4;
     auto ctas = [&](int64_t tile_m, int64_t tile_n) {
       return bh * ((m_pad + tile_m - 1) / tile_m) * ((n_pad + tile_n - 1) / tile_n);
     };
     if (ctas(Large::kM, Large::kN) >= fill) return Gemm::kWgmmaLarge;
-    const int64_t small = ctas(Small::kM, Small::kN);
-    if (force_wgmma || small >= fill)
-      return small <= props->multiProcessorCount ? Gemm::kWgmmaSmallOneWave : Gemm::kWgmmaSmall;
+    const int64_t small = ctas(Small::kM, Small::kN), least = ctas(Least::kM, Least::kN);
+    if (small >= fill || (force_wgmma && least < fill))
+      return small <= sms ? Gemm::kWgmmaSmallOneWave : Gemm::kWgmmaSmall;
+    if (least >= fill) return least <= sms ? Gemm::kWgmmaLeastOneWave : Gemm::kWgmmaLeast;
   }
 #endif
   return Gemm::kMma;
@@ -210,7 +213,10 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // (geometric means over 15 cells, H200: 0.89, 0.91, 0.83; thirty-seventh round) and one product's
 // once its fp16 stores were staged (0.81 on both chips over 7 cells; thirty-ninth round): on the
 // fortieth round's calibration (six pairs, both chips) that took the dense path's choice on the
-// one-product pairs from 0.75 % more time than the faster way to 0.58 %. Over the fit's own cells,
+// one-product pairs from 0.75 % more time than the faster way to 0.58 %. The least tile's, 0.97 and
+// 2.06 for one and two products, are those of what ran there before (cuBLAS's 1.45, the mma.sync
+// GEMM's 3.10) scaled by the time its GEMM took against theirs (0.67 and 0.66, geometric means over
+// 18 cells each, H200; forty-fourth round). Over the fit's own cells,
 // choosing by the two estimates (the fitted constants) took 0.31-0.35 % more time than the faster
 // way on the geometric mean, at most 31 % in one. The expansion has since run 1.1-1.5x faster
 // (c3870c0), and with 12- and 16-bit A 1.05x again (forty-first round), so the dense estimates run
@@ -228,6 +234,7 @@ bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pa
   double per_gop;
   if (d.cublas()) per_gop = 1.45;
   else if (d.gemm == Gemm::kMma) per_gop = products == 1 ? 1.57 : products == 2 ? 3.10 : 4.60;
+  else if (d.gemm == Gemm::kWgmmaLeast || d.gemm == Gemm::kWgmmaLeastOneWave) per_gop = products == 1 ? 0.97 : 2.06;
   else per_gop = products == 1 ? 0.76 : products == 2 ? 1.7 : d.gemm == Gemm::kWgmmaLarge ? 2.75 : 2.1;
   const double values_m = 1.0 * nnz_pad * p.v * kMega;
   const double dense_us = 10.2 + (d.cublas() ? 2.0 * (bh - 1) : 0.0) +
@@ -337,6 +344,9 @@ void gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, Gemm which, cu
   if (which == Gemm::kWgmmaSmall) return launch_wgmma_gemm<AB, AS, BB, typename Tiles::Small>(gp, bh, stream);
   if (which == Gemm::kWgmmaSmallOneWave)
     return launch_wgmma_gemm<AB, AS, BB, typename Tiles::SmallOneWave>(gp, bh, stream);
+  if (which == Gemm::kWgmmaLeast) return launch_wgmma_gemm<AB, AS, BB, typename Tiles::Least>(gp, bh, stream);
+  if (which == Gemm::kWgmmaLeastOneWave)
+    return launch_wgmma_gemm<AB, AS, BB, typename Tiles::LeastOneWave>(gp, bh, stream);
 #endif
   using T = typename dn::DefaultGemmTile<AP, BP>::type;
   launch_gemm<T, dn::gemm_kernel<AB, AS, BB, T>>(gp, bh, stream);

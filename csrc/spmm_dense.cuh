@@ -702,7 +702,11 @@ __global__ void __launch_bounds__(T::kThreads)
 // products 128 x 128 (64 or 128 accumulators a thread) and 128 x 64 or 64 x 128, four products
 // 128 x 64 and 64 x 64 (128 accumulators); 4 stages, 6 for the one-warpgroup tiles of 32 KB
 // stages (4 and 6 timed within 1 us of each other, and 6 no faster for the larger tiles; timed
-// when every thread copied its stages, before the TMA).
+// when every thread copied its stages, before the TMA). Where neither fills the SMs, one or two
+// products take a third, least tile, one warpgroup's 64 x 64, which makes twice the smaller tile's
+// CTAs: there it took 0.60-0.72x the GEMM time of what ran before it (cuBLAS's GEMM and its pass,
+// or our mma.sync GEMM; H200, M = K 1024-4096, N 128-512, 1-3 batch x heads), with 8 stages where
+// its CTAs fit one wave (4 or 6 stages took up to 1.21x the time; past one wave, equal).
 template <int AP, int BP>
 struct WgmmaTiles;
 template <>
@@ -713,18 +717,24 @@ struct WgmmaTiles<1, 1> {
   // the time of 4 (H200, M = K 1000-4096, N 128-512); past one wave 1.16-1.21x, two CTAs an SM
   // at 4 stages doing better (kernel_checks.md, thirty-seventh and thirty-eighth rounds).
   using SmallOneWave = WgmmaTile<1, 1, 2, 64, 8>;
+  using Least = WgmmaTile<1, 1, 1, 64, 4>;
+  using LeastOneWave = WgmmaTile<1, 1, 1, 64, 8>;
 };
 template <>
 struct WgmmaTiles<2, 1> {
   using Large = WgmmaTile<2, 1, 2, 128, 4>;
   using Small = WgmmaTile<2, 1, 1, 128, 6>;
   using SmallOneWave = Small;
+  using Least = WgmmaTile<2, 1, 1, 64, 4>;
+  using LeastOneWave = WgmmaTile<2, 1, 1, 64, 8>;
 };
 template <>
 struct WgmmaTiles<2, 2> {
   using Large = WgmmaTile<2, 2, 2, 64, 4>;
   using Small = WgmmaTile<2, 2, 1, 64, 6>;
   using SmallOneWave = Small;
+  using Least = Small;
+  using LeastOneWave = Small;
 };
 
 }  // namespace spmm_dense

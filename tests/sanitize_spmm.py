@@ -51,8 +51,9 @@ def main() -> int:
     # its wgmma GEMM, whose smaller tile runs here when forced (within one wave, its deeper ring),
     # its larger one on the first batched problem at the end (12 x 3 x 3 tiles) and, with one
     # plane product, its smaller tile past one wave on the second (40 x 2 x 2 tiles), each also at
-    # an N of whole 16-byte fp16 chunks (the two-warpgroup tiles' staged stores); the last's
-    # expansion takes groups of 8 vector rows a CTA, the last of 5 rows.
+    # an N of whole 16-byte fp16 chunks (the two-warpgroup tiles' staged stores); the fifth's
+    # expansion takes groups of 8 vector rows a CTA, the last of 5 rows; with one or two plane
+    # products the last two take the least tile (64 x 64) within one wave of 132 SMs and past it.
     kernels = ["gather", "resident", "dense"]
     if torch.cuda.get_device_capability()[0] == 9:
         kernels.append("dense_wgmma")
@@ -73,7 +74,8 @@ def main() -> int:
                         print(f"MISMATCH {kernel} v={v} n={n} a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
     os.environ["MAGICUBE_SPMM_KERNEL"] = "dense"
     for bh, m, k, n, v in ((12, 300, 160, 300, 4), (12, 300, 160, 296, 4), (40, 240, 96, 100, 8),
-                           (40, 240, 96, 104, 8), (64, 106, 200, 40, 2)):
+                           (40, 240, 96, 104, 8), (64, 106, 200, 40, 2), (16, 250, 136, 120, 2),
+                           (24, 250, 136, 117, 2)):
         vm = random_vector_mask(m, k, v, 0.5, seed=3)
         p = SRBCRS.from_mask(vm, stride=32)
         for a_bits, b_bits, a_signed in KINDS:

@@ -111,11 +111,15 @@ def test_integer_exact(kernels, a_bits, b_bits, a_signed, v):
 # 128 or 128 x 64 tiles filling 3/4 of the SMs (12 x 3 x 3 of them), or, with one plane product,
 # its smaller tile past one wave of the SMs (40 x 2 x 2 tiles of 128 x 64; within one wave that
 # tile runs with a deeper ring, as in every smaller problem here); each also at an N of whole
-# 16-byte fp16 chunks, which the two-warpgroup tiles store through shared memory. M, N and K
-# multiples of no tile.
+# 16-byte fp16 chunks, which the two-warpgroup tiles store through shared memory. Then, with one
+# or two plane products, its least tile (64 x 64), where the smaller one makes too few CTAs, within
+# one wave of 132 SMs (16 x 4 x 2 tiles, its deeper ring) and past it (24 x 4 x 2, an odd N). M, N
+# and K multiples of no tile.
 @pytest.mark.parametrize("bh, rows, k, n, v",
-                         [(12, 75, 160, 300, 4), (12, 75, 160, 296, 4), (40, 30, 96, 100, 8), (40, 30, 96, 104, 8)],
-                         ids=["larger-tile", "larger-tile-chunks", "smaller-tile-waves", "smaller-tile-waves-chunks"])
+                         [(12, 75, 160, 300, 4), (12, 75, 160, 296, 4), (40, 30, 96, 100, 8), (40, 30, 96, 104, 8),
+                          (16, 125, 136, 120, 2), (24, 125, 136, 117, 2)],
+                         ids=["larger-tile", "larger-tile-chunks", "smaller-tile-waves", "smaller-tile-waves-chunks",
+                              "least-tile", "least-tile-waves"])
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
 def test_dense_gemm_batched_tiles(kernels, a_bits, b_bits, a_signed, bh, rows, k, n, v):
     """The GEMM's last K step partly past K. Under the other ways, one more batched problem."""
