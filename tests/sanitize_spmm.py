@@ -75,7 +75,7 @@ def main() -> int:
     os.environ["MAGICUBE_SPMM_KERNEL"] = "dense"
     for bh, m, k, n, v in ((12, 300, 160, 300, 4), (12, 300, 160, 296, 4), (40, 240, 96, 100, 8),
                            (40, 240, 96, 104, 8), (64, 106, 200, 40, 2), (16, 250, 136, 120, 2),
-                           (24, 250, 136, 117, 2)):
+                           (24, 250, 136, 118, 2)):
         vm = random_vector_mask(m, k, v, 0.5, seed=3)
         p = SRBCRS.from_mask(vm, stride=32)
         for a_bits, b_bits, a_signed in KINDS:

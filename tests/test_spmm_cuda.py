@@ -113,11 +113,11 @@ def test_integer_exact(kernels, a_bits, b_bits, a_signed, v):
 # tile runs with a deeper ring, as in every smaller problem here); each also at an N of whole
 # 16-byte fp16 chunks, which the two-warpgroup tiles store through shared memory. Then, with one
 # or two plane products, its least tile (64 x 64), where the smaller one makes too few CTAs, within
-# one wave of 132 SMs (16 x 4 x 2 tiles, its deeper ring) and past it (24 x 4 x 2, an odd N). M, N
-# and K multiples of no tile.
+# one wave of 132 SMs (16 x 4 x 2 tiles, its deeper ring) and past it (24 x 4 x 2). M, N and K
+# multiples of no tile.
 @pytest.mark.parametrize("bh, rows, k, n, v",
                          [(12, 75, 160, 300, 4), (12, 75, 160, 296, 4), (40, 30, 96, 100, 8), (40, 30, 96, 104, 8),
-                          (16, 125, 136, 120, 2), (24, 125, 136, 117, 2)],
+                          (16, 125, 136, 120, 2), (24, 125, 136, 118, 2)],
                          ids=["larger-tile", "larger-tile-chunks", "smaller-tile-waves", "smaller-tile-waves-chunks",
                               "least-tile", "least-tile-waves"])
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
