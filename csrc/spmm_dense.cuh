@@ -704,7 +704,7 @@ __global__ void __launch_bounds__(T::kThreads)
 // stages (4 and 6 timed within 1 us of each other, and 6 no faster for the larger tiles; timed
 // when every thread copied its stages, before the TMA). Where neither fills the SMs, one or two
 // products take a third, least tile, one warpgroup's 64 x 64, which makes twice the smaller tile's
-// CTAs: there it took 0.60-0.72x the GEMM time of what ran before it (cuBLAS's GEMM and its pass,
+// CTAs: there it took 0.60-0.77x the GEMM time of what ran before it (cuBLAS's GEMM and its pass,
 // or our mma.sync GEMM; H200, M = K 1024-4096, N 128-512, 1-3 batch x heads), with 8 stages where
 // its CTAs fit one wave (4 or 6 stages took up to 1.21x the time; past one wave, equal).
 template <int AP, int BP>
