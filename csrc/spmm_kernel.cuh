@@ -106,6 +106,12 @@ struct Kind {
   // 1024-4096, N 128 and 256, V 2-8, sparsity 0.7-0.98, two steps against one: L4-R4 0.961x the
   // time, L16-R8 0.986x, L16-R4 0.992x, L12-R4 0.994x, but L8-R4 1.021x and L8-R8 1.014x.
   static constexpr int kColsAhead = (AB == 4 || AB == 16) && (BB == 4 || BB == 8) ? 2 : 1;
+  // The gather kernel's fold sums (FoldSums) in local memory, out of the main loop's registers,
+  // where ptxas then schedules the loop better: 8-bit B's narrow tile. Against them in registers
+  // (H200, gather kernel forced, M = K 1024-4096, V 2 / 4 / 8, sparsity 0.7 / 0.9 / 0.98, N 64 and
+  // 128): L8-R8 0.94x the time (0.84-1.02x by cell), L16-R8 0.98x. With every kind's sums in local
+  // memory the other kinds and tiles took 0.998-1.035x (L16-R16 1.035x, L8-R4 1.019x).
+  static constexpr bool kLocalSums = BB == 8 && TB == kNarrowTileBytes;
 
   // Shared-memory row of block slot s (0..31): ldmatrix matrix j reads rows 8j..8j+7, and the
   // MMA k order it yields must match the sparse fragment's (see the file comment).
@@ -131,21 +137,56 @@ struct Kind {
   }
 };
 
-// The accumulators of MT m-tiles: int32 per bit-plane pair, their int64 folds, and the fp16
-// kind's fp32 ones.
-template <int AB, bool AS, int BB, int MT>
+// The int64 sums that the int32 accumulators fold into (Accumulators): in registers, zeroed at the
+// start, or in the caller's local memory, out of the main loop's registers (Kind::kLocalSums). Those
+// are untouched until a row's first fold: zeroed at the start and folded into at the end, they made
+// the narrow tile 1.19x slower for L16-R8 and 1.02x for L8-R8 than in registers.
+template <int MT, bool LOCAL>
+struct FoldSums {
+  int64_t x[MT][4];
+  __device__ __forceinline__ void bind(int64_t (&)[MT * 4]) {}
+  __device__ __forceinline__ void before_fold() {}
+  __device__ __forceinline__ int64_t& operator()(int mt, int j) { return x[mt][j]; }
+};
+
+template <int MT>
+struct FoldSums<MT, true> {
+  int64_t* x;
+  bool folded;
+  __device__ __forceinline__ void bind(int64_t (&local)[MT * 4]) {
+    // An offset that ptxas cannot see through keeps the array in local memory.
+    int offset = 0;
+    asm volatile("" : "+r"(offset));
+    x = local + offset;
+    folded = false;
+  }
+  __device__ __forceinline__ void before_fold() {
+    if (folded) return;
+#pragma unroll
+    for (int e = 0; e < MT * 4; ++e) x[e] = 0;
+    folded = true;
+  }
+  __device__ __forceinline__ int64_t& operator()(int mt, int j) { return x[4 * mt + j]; }
+  // The sum so far, zero before the first fold.
+  __device__ __forceinline__ int64_t value(int mt, int j) const { return folded ? x[4 * mt + j] : 0; }
+};
+
+// The accumulators of MT m-tiles: int32 per bit-plane pair, their int64 folds (the caller's
+// local_sums where LOCAL_SUMS), and the fp16 kind's fp32 ones.
+template <int AB, bool AS, int BB, int MT, bool LOCAL_SUMS = false>
 struct Accumulators {
   using K = Kind<AB, AS, BB>;
   int acc[K::kAPlanes][K::kBPlanes][MT][4];
-  int64_t wide[MT][4];
+  FoldSums<MT, LOCAL_SUMS> wide;
   float accf[MT][4];
 
-  __device__ __forceinline__ void zero() {
+  __device__ __forceinline__ void zero(int64_t (&local_sums)[MT * 4]) {
+    wide.bind(local_sums);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        wide[mt][j] = 0;
+        if constexpr (!LOCAL_SUMS) wide(mt, j) = 0;
         accf[mt][j] = 0.f;
 #pragma unroll
         for (int pa = 0; pa < K::kAPlanes; ++pa)
@@ -154,7 +195,13 @@ struct Accumulators {
       }
   }
 
+  // Plane pair (pa, pb)'s product, as its place in the value (plane 0 = high byte).
+  __device__ __forceinline__ int64_t weighted(int pa, int pb, int mt, int j) const {
+    return static_cast<int64_t>(acc[pa][pb][mt][j]) << (8 * ((K::kAPlanes - 1 - pa) + (K::kBPlanes - 1 - pb)));
+  }
+
   __device__ __forceinline__ void fold() {
+    wide.before_fold();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -163,8 +210,7 @@ struct Accumulators {
         for (int pa = 0; pa < K::kAPlanes; ++pa)
 #pragma unroll
           for (int pb = 0; pb < K::kBPlanes; ++pb) {
-            const int sh = 8 * ((K::kAPlanes - 1 - pa) + (K::kBPlanes - 1 - pb));
-            wide[mt][j] += static_cast<int64_t>(acc[pa][pb][mt][j]) << sh;
+            wide(mt, j) += weighted(pa, pb, mt, j);
             acc[pa][pb][mt][j] = 0;
           }
   }
@@ -301,9 +347,9 @@ __device__ __forceinline__ void store_run(T* row, int c, int ncols, bool vec, co
 // accumulators, after nblocks blocks: int64, or fp16 dequantized by the row and column scales.
 // Element j of m-tile mt is output row 2t + (j & 1) of the vector row and column
 // n0 + tile_col(mt, g + 8 * (j >> 1)). v is even, so a thread's two rows are both live or both not.
-template <int AB, bool AS, int BB, int MT>
-__device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<AB, AS, BB, MT>& r, int bh, int vrow,
-                                                 int n0, int nblocks) {
+template <int AB, bool AS, int BB, int MT, bool LOCAL_SUMS>
+__device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<AB, AS, BB, MT, LOCAL_SUMS>& r, int bh,
+                                                 int vrow, int n0, int nblocks) {
   using K = Kind<AB, AS, BB>;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int v = p.v;
@@ -392,9 +438,19 @@ __device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<A
     // blocks) holds the exact result in int32.
     if (K::kAPlanes * K::kBPlanes == 1 && nblocks < kFlushBlocks) {
       dequantize([&](int mt, int j) { return r.acc[0][0][mt][j] >> K::kShift; });
+    } else if constexpr (LOCAL_SUMS) {
+      // The last blocks' plane products added to the sums as read, without writing them back.
+      dequantize([&](int mt, int j) {
+        int64_t x = r.wide.value(mt, j);
+#pragma unroll
+        for (int pa = 0; pa < K::kAPlanes; ++pa)
+#pragma unroll
+          for (int pb = 0; pb < K::kBPlanes; ++pb) x += r.weighted(pa, pb, mt, j);
+        return x >> K::kShift;
+      });
     } else {
       r.fold();
-      dequantize([&](int mt, int j) { return r.wide[mt][j] >> K::kShift; });
+      dequantize([&](int mt, int j) { return r.wide(mt, j) >> K::kShift; });
     }
   }
 }
@@ -490,8 +546,9 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   };
 
   constexpr int kMT = K::kMTiles;
-  Accumulators<AB, AS, BB, kMT> r;
-  r.zero();
+  Accumulators<AB, AS, BB, kMT, K::kLocalSums> r;
+  int64_t sums[kMT * 4];
+  r.zero(sums);
 
   // ldmatrix lane address: matrix j = lane / 8 reads shared row 8j + lane % 8 (integer kinds).
   const int li = lane & 7, lm = lane >> 3;
@@ -830,7 +887,8 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
       const Row row = row_at(i);
       const bool has_next = i + 1 < rows;
       Accumulators<AB, AS, BB, kMT> r;
-      r.zero();
+      int64_t sums[kMT * 4];
+      r.zero(sums);
       int since_fold = 0;
       if (row.nblocks == 0 && has_next) fetch(row_at(i + 1), 0);
       for (int blk0 = 0; blk0 < row.nblocks; blk0 += kAhead) {

@@ -204,12 +204,15 @@ def test_output_row_alignment(kernels, a_bits, b_bits, a_signed, n):
         _assert_exact(kernels, p, emask, 3, 150, n, v, a_bits, a_signed, b_bits, g, f"v={v}: ")
 
 
+@pytest.mark.parametrize("n", [24, 32])
 @pytest.mark.parametrize("blocks", [511, 512, 513])
-@pytest.mark.parametrize("a_bits, b_bits", [(8, 8), (4, 4), (8, 4)], ids=["L8-R8", "L4-R4", "L8-R4"])
-def test_fold_boundary(kernels, a_bits, b_bits, blocks):
+@pytest.mark.parametrize("a_bits, b_bits", [(8, 8), (4, 4), (8, 4), (16, 8)], ids=["L8-R8", "L4-R4", "L8-R4", "L16-R8"])
+def test_fold_boundary(kernels, a_bits, b_bits, blocks, n):
     """Rows of 511, 512 and 513 blocks: single-plane results are read from the int32 accumulator
-    when no fold happened, from the folded int64 otherwise."""
-    k, n, v = 32 * blocks, 24, 2
+    when no fold happened, from the folded int64 otherwise. N 24 takes the generic copies (rows
+    not on 16 bytes), N 32 the fast ones (the gather kernel's narrow tile, which for 8-bit B keeps
+    the folds in local memory)."""
+    k, v = 32 * blocks, 2
     mask = torch.zeros(3, k, dtype=torch.bool)
     mask[1] = True
     mask[2, : 32 * 511 + 5] = True
