@@ -144,7 +144,12 @@ struct Kind {
 template <int MT, bool LOCAL>
 struct FoldSums {
   int64_t x[MT][4];
-  __device__ __forceinline__ void bind(int64_t (&)[MT * 4]) {}
+  __device__ __forceinline__ void reset(int64_t (&)[MT * 4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) x[mt][j] = 0;
+  }
   __device__ __forceinline__ void before_fold() {}
   __device__ __forceinline__ int64_t& operator()(int mt, int j) { return x[mt][j]; }
 };
@@ -153,7 +158,7 @@ template <int MT>
 struct FoldSums<MT, true> {
   int64_t* x;
   bool folded;
-  __device__ __forceinline__ void bind(int64_t (&local)[MT * 4]) {
+  __device__ __forceinline__ void reset(int64_t (&local)[MT * 4]) {
     // An offset that ptxas cannot see through keeps the array in local memory.
     int offset = 0;
     asm volatile("" : "+r"(offset));
@@ -181,12 +186,11 @@ struct Accumulators {
   float accf[MT][4];
 
   __device__ __forceinline__ void zero(int64_t (&local_sums)[MT * 4]) {
-    wide.bind(local_sums);
+    wide.reset(local_sums);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        if constexpr (!LOCAL_SUMS) wide(mt, j) = 0;
         accf[mt][j] = 0.f;
 #pragma unroll
         for (int pa = 0; pa < K::kAPlanes; ++pa)
