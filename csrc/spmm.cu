@@ -36,13 +36,29 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& 
 // gather kernel allows the next launch after its main loop, not at its start: CTAs of the next
 // kernel resident during the gathers took the L1 that cp.async.ca reuses (4-bit B up to 35 %
 // slower).
-template <int AB, bool AS, int BB, bool FAST, int TB = magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes>
+template <int AB, bool AS, int BB, bool FAST, int TB = magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes,
+          bool STACK = false>
 void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream) {
   const int64_t tiles = (p.row_bytes + TB - 1) / TB;
   MAGICUBE_CHECK(tiles <= 65535 && vrows <= INT32_MAX, "spmm: N or M too large");
   const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(tiles), static_cast<unsigned>(bh));
-  magicube::launch_overlapped(magicube::spmm_detail::spmm_kernel<AB, AS, BB, FAST, TB>, grid, dim3(kThreads), 0,
-                              stream, p);
+  magicube::launch_overlapped(magicube::spmm_detail::spmm_kernel<AB, AS, BB, FAST, TB, STACK>, grid, dim3(kThreads),
+                              0, stream, p);
+}
+
+// The fast copies' tiles. 16-bit A at V 2 stacks its planes into one MMA (spmm_kernel.cuh) where
+// its rows average two blocks or more, except on 8-bit B's narrow tile. H200, gather kernel,
+// M = K 1024-4096, N 128-512, sparsity 0.7 / 0.9 / 0.98, against two MMAs: L16-R4 and L12-R4
+// 0.85-0.96x the time at M = K = 4096, L16-R16 0.90-0.96x, L16-R8 0.92-0.94x (wide tile); rows of
+// one block (M = K = 1024, sparsity 0.98) 1.00-1.09x, and 8-bit B's narrow tile, whose fold sums
+// two MMAs keep in local memory, 1.01-1.09x at M = K 1024 and 4096 (kernel_checks.md).
+template <int AB, bool AS, int BB, int TB>
+void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream) {
+  if constexpr (AB == 16 && !magicube::spmm_detail::Kind<AB, AS, BB, TB>::kLocalSums) {
+    if (p.v == 2 && nnz_pad >= 2 * kSlots * vrows)
+      return launch_tiles<AB, AS, BB, true, TB, true>(p, vrows, bh, stream);
+  }
+  launch_tiles<AB, AS, BB, true, TB>(p, vrows, bh, stream);
 }
 
 // Rows of at most 128 bytes (8-bit B of N <= 128, 16-bit and fp16 B of N <= 64; 4-bit B always
@@ -52,12 +68,12 @@ void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t strea
 // fp16 at N 32 and 64), and the fp16 pipeline's P x V (batch x heads 32, L 4096, head dim 64)
 // 188 -> 112 us. The generic copies (rows not on 16 bytes) keep the wide tile.
 template <int AB, bool AS, int BB>
-void launch(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, bool fast) {
+void launch(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast) {
   namespace sd = magicube::spmm_detail;
   if (!fast) return launch_tiles<AB, AS, BB, false>(p, vrows, bh, stream);
   if (p.row_bytes <= sd::kNarrowTileBytes)
-    return launch_tiles<AB, AS, BB, true, sd::kNarrowTileBytes>(p, vrows, bh, stream);
-  launch_tiles<AB, AS, BB, true>(p, vrows, bh, stream);
+    return launch_fast<AB, AS, BB, sd::kNarrowTileBytes>(p, vrows, bh, nnz_pad, stream);
+  launch_fast<AB, AS, BB, sd::Kind<AB, AS, BB>::kTileBytes>(p, vrows, bh, nnz_pad, stream);
 }
 
 // MAGICUBE_SPMM_KERNEL forces a kernel where it applies (tests, benchmarks): gather, resident
@@ -126,9 +142,10 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
 }
 
 template <int AB, int BB>
-void launch_signed(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, bool fast, bool a_signed) {
-  if (a_signed) launch<AB, true, BB>(p, vrows, bh, stream, fast);
-  else launch<AB, false, BB>(p, vrows, bh, stream, fast);
+void launch_signed(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
+                   bool a_signed) {
+  if (a_signed) launch<AB, true, BB>(p, vrows, bh, nnz_pad, stream, fast);
+  else launch<AB, false, BB>(p, vrows, bh, nnz_pad, stream, fast);
 }
 
 // Which of our GEMMs multiplies the planes where cuBLAS's does not (pick_gemm).
@@ -447,7 +464,7 @@ void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
     }
   }
   if (dense) return run_dense<AB, BB>(p, *dense, vrows, bh, a_signed, stream);
-  launch_signed<AB, BB>(p, vrows, bh, stream, fast, a_signed);
+  launch_signed<AB, BB>(p, vrows, bh, nnz_pad, stream, fast, a_signed);
 }
 
 at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order,
@@ -573,7 +590,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   }
 
   if (fp16) {
-    launch<0, true, 0>(p, vrows, bh, stream, fast);
+    launch<0, true, 0>(p, vrows, bh, nnz_pad, stream, fast);
   } else if (a_bits == 8 && b_bits == 8) {
     launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense);
   } else if (a_bits == 4 && b_bits == 4) {

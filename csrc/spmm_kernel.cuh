@@ -31,7 +31,11 @@
 //
 // Wide operands: 16-bit values are two byte planes, x = hi * 256 + lo (hi signed, or unsigned for
 // u16; lo unsigned), multiplied plane by plane with mixed-signedness MMAs and recombined with
-// shifts in int64. int4 values are widened in registers to 16 * value (a mask, no sign
+// shifts in int64. At V 2 both planes of 16-bit A share one MMA (Kind's STACK): the sparse operand
+// has 8 columns and the vector 2 rows, so its columns take the rows' high planes, their low planes
+// and, for signed A, a column of ones. The high planes are offset by 128 to unsigned bytes and the
+// ones column sums the gathered rows, which undoes the offset: x = 256 (hi + 128) + lo - 32768 per
+// gathered row. One MMA a tile instead of two, and half the accumulators. int4 values are widened in registers to 16 * value (a mask, no sign
 // arithmetic) and the exact multiple of 16 is shifted out at the end. The int32 accumulators are
 // folded into int64 every 512 blocks, before any plane product could overflow (a block adds at
 // most 32 * 255 * 255 < 2^21 per plane).
@@ -82,11 +86,19 @@ struct Params {
 
 // AB/BB: sparse/dense bits (16, 8, 4); 0/0 is the fp16 kernel. AS: sparse values signed. TB: bytes
 // of each gathered dense row per CTA (the gather kernel's tile; see kWideTileBytes and launch).
-template <int AB, bool AS, int BB, int TB = (BB == 4 ? kNarrowTileBytes : kWideTileBytes)>
+// STACK: 16-bit A at V 2, both planes in one MMA (the file comment; the gather kernel only).
+template <int AB, bool AS, int BB, int TB = (BB == 4 ? kNarrowTileBytes : kWideTileBytes), bool STACK = false>
 struct Kind {
+  static_assert(!STACK || AB == 16, "only 16-bit A stacks its planes");
   static constexpr bool kFp16 = AB == 0;
   static constexpr int kABits = AB;
-  static constexpr int kAPlanes = AB == 16 ? 2 : 1;
+  static constexpr bool kASigned = AS;
+  static constexpr int kBBits = BB;
+  static constexpr bool kStacked = STACK;
+  // A's planes in separate MMAs, and whether the top one is a signed operand (stacked planes are
+  // unsigned bytes).
+  static constexpr int kAPlanes = AB == 16 && !STACK ? 2 : 1;
+  static constexpr bool kTopSigned = AS && !STACK;
   static constexpr int kBPlanes = BB == 16 ? 2 : 1;
   static constexpr int kSparseRowBytes = kFp16 ? 64 : kSlots * AB / 8;
   static constexpr int kTileBytes = TB;
@@ -152,6 +164,7 @@ struct FoldSums {
   }
   __device__ __forceinline__ void before_fold() {}
   __device__ __forceinline__ int64_t& operator()(int mt, int j) { return x[mt][j]; }
+  __device__ __forceinline__ int64_t value(int mt, int j) const { return x[mt][j]; }
 };
 
 template <int MT>
@@ -176,13 +189,12 @@ struct FoldSums<MT, true> {
   __device__ __forceinline__ int64_t value(int mt, int j) const { return folded ? x[4 * mt + j] : 0; }
 };
 
-// The accumulators of MT m-tiles: int32 per bit-plane pair, their int64 folds (the caller's
-// local_sums where LOCAL_SUMS), and the fp16 kind's fp32 ones.
-template <int AB, bool AS, int BB, int MT, bool LOCAL_SUMS = false>
+// The accumulators of MT m-tiles of kind K: int32 per bit-plane pair, their int64 folds (in the
+// caller's local_sums where K::kLocalSums), and the fp16 kind's fp32 ones.
+template <class K, int MT>
 struct Accumulators {
-  using K = Kind<AB, AS, BB>;
   int acc[K::kAPlanes][K::kBPlanes][MT][4];
-  FoldSums<MT, LOCAL_SUMS> wide;
+  FoldSums<MT, K::kLocalSums> wide;
   float accf[MT][4];
 
   __device__ __forceinline__ void zero(int64_t (&local_sums)[MT * 4]) {
@@ -202,6 +214,16 @@ struct Accumulators {
   // Plane pair (pa, pb)'s product, as its place in the value (plane 0 = high byte).
   __device__ __forceinline__ int64_t weighted(int pa, int pb, int mt, int j) const {
     return static_cast<int64_t>(acc[pa][pb][mt][j]) << (8 * ((K::kAPlanes - 1 - pa) + (K::kBPlanes - 1 - pb)));
+  }
+
+  // The sum of every block so far: the folds and the products since, added as read.
+  __device__ __forceinline__ int64_t total(int mt, int j) const {
+    int64_t x = wide.value(mt, j);
+#pragma unroll
+    for (int pa = 0; pa < K::kAPlanes; ++pa)
+#pragma unroll
+      for (int pb = 0; pb < K::kBPlanes; ++pb) x += weighted(pa, pb, mt, j);
+    return x;
   }
 
   __device__ __forceinline__ void fold() {
@@ -233,7 +255,7 @@ struct Accumulators {
   }
 
   // m-tile mt += dense fragment da (per B plane, plane 0 = high byte) x sparse fragment sb (per A
-  // plane): the high planes carry the sign, the low ones are unsigned.
+  // plane): the top planes carry the sign (kTopSigned for A's), the low ones are unsigned.
   __device__ __forceinline__ void mma(int mt, const uint32_t (&da)[K::kBPlanes][4],
                                       const uint32_t (&sb)[K::kAPlanes][2]) {
 #pragma unroll
@@ -241,10 +263,10 @@ struct Accumulators {
 #pragma unroll
       for (int pb = 0; pb < K::kBPlanes; ++pb) {
         if (pb == 0) {
-          if (pa == 0) mma_16832<true, AS>(acc[pa][pb][mt], da[pb], sb[pa][0], sb[pa][1]);
+          if (pa == 0) mma_16832<true, K::kTopSigned>(acc[pa][pb][mt], da[pb], sb[pa][0], sb[pa][1]);
           else mma_16832<true, false>(acc[pa][pb][mt], da[pb], sb[pa][0], sb[pa][1]);
         } else {
-          if (pa == 0) mma_16832<false, AS>(acc[pa][pb][mt], da[pb], sb[pa][0], sb[pa][1]);
+          if (pa == 0) mma_16832<false, K::kTopSigned>(acc[pa][pb][mt], da[pb], sb[pa][0], sb[pa][1]);
           else mma_16832<false, false>(acc[pa][pb][mt], da[pb], sb[pa][0], sb[pa][1]);
         }
       }
@@ -280,11 +302,18 @@ __device__ __forceinline__ void load_sparse_words(int g, int t, bool row_live, L
   }
 }
 
-// The sparse MMA fragment of a block's words, plane 0 = high byte (or the only plane): int4
-// widened to 16 * value, 16-bit split into its byte planes.
+// The sparse MMA fragment of a block's words for the lane of column g, plane 0 = high byte (or the
+// only plane): int4 widened to 16 * value, 16-bit split into its byte planes or, stacked, the plane
+// of column g (the file comment; the words are row g % 2's).
 template <class K>
-__device__ __forceinline__ void sparse_fragment(const SparseWords<K>& a, uint32_t (&sb)[K::kAPlanes][2]) {
-  if constexpr (K::kABits == 8) {
+__device__ __forceinline__ void sparse_fragment(const SparseWords<K>& a, int g, uint32_t (&sb)[K::kAPlanes][2]) {
+  if constexpr (K::kStacked) {
+    constexpr uint32_t kOffset = K::kASigned ? 0x80808080u : 0u;
+    const bool high = g < 2;
+    sb[0][0] = high ? odd_bytes(a.w[0], a.w[1]) ^ kOffset : even_bytes(a.w[0], a.w[1]);
+    sb[0][1] = high ? odd_bytes(a.w[2], a.w[3]) ^ kOffset : even_bytes(a.w[2], a.w[3]);
+    if (K::kASigned && g == 4) sb[0][0] = sb[0][1] = 0x01010101u;
+  } else if constexpr (K::kABits == 8) {
     sb[0][0] = a.w[0];
     sb[0][1] = a.w[1];
   } else if constexpr (K::kABits == 4) {
@@ -351,10 +380,10 @@ __device__ __forceinline__ void store_run(T* row, int c, int ncols, bool vec, co
 // accumulators, after nblocks blocks: int64, or fp16 dequantized by the row and column scales.
 // Element j of m-tile mt is output row 2t + (j & 1) of the vector row and column
 // n0 + tile_col(mt, g + 8 * (j >> 1)). v is even, so a thread's two rows are both live or both not.
-template <int AB, bool AS, int BB, int MT, bool LOCAL_SUMS>
-__device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<AB, AS, BB, MT, LOCAL_SUMS>& r, int bh,
-                                                 int vrow, int n0, int nblocks) {
-  using K = Kind<AB, AS, BB>;
+template <class K, int MT>
+__device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<K, MT>& r, int bh, int vrow, int n0,
+                                                 int nblocks) {
+  constexpr int BB = K::kBBits;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int v = p.v;
   const int ncols = p.n - n0;
@@ -438,20 +467,33 @@ __device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<A
         });
       }
     };
-    // A single-plane accumulator that was never folded (the loop folds after kFlushBlocks
-    // blocks) holds the exact result in int32.
-    if (K::kAPlanes * K::kBPlanes == 1 && nblocks < kFlushBlocks) {
+    if constexpr (K::kStacked) {
+      // Columns 2t and 2t + 1 of the sparse operand are lane t's: lane 0 holds the sums of the
+      // rows' high planes, lane 1 of their low planes, lane 2 of the ones column (its even
+      // elements), and lane 0 writes the rows. column(mt, j) is this lane's sum: the int32
+      // accumulator where it is the whole sum (as below), else the int64 total.
+      int64_t y[MT][4];
+      auto combine = [&](auto&& column) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int64_t high = column(mt, j);
+            const int64_t low = __shfl_down_sync(0xffffffffu, column(mt, j), 1);
+            const int64_t rows = __shfl_down_sync(0xffffffffu, column(mt, j & 2), 2);
+            y[mt][j] = 256 * high + low - (K::kASigned ? 32768 * rows : 0);
+          }
+      };
+      if (K::kBPlanes == 1 && nblocks < kFlushBlocks) combine([&](int mt, int j) { return r.acc[0][0][mt][j]; });
+      else combine([&](int mt, int j) { return r.total(mt, j); });
+      dequantize([&](int mt, int j) { return y[mt][j] >> K::kShift; });
+    } else if (K::kAPlanes * K::kBPlanes == 1 && nblocks < kFlushBlocks) {
+      // A single-plane accumulator that was never folded (the loop folds after kFlushBlocks
+      // blocks) holds the exact result in int32.
       dequantize([&](int mt, int j) { return r.acc[0][0][mt][j] >> K::kShift; });
-    } else if constexpr (LOCAL_SUMS) {
+    } else if constexpr (K::kLocalSums) {
       // The last blocks' plane products added to the sums as read, without writing them back.
-      dequantize([&](int mt, int j) {
-        int64_t x = r.wide.value(mt, j);
-#pragma unroll
-        for (int pa = 0; pa < K::kAPlanes; ++pa)
-#pragma unroll
-          for (int pb = 0; pb < K::kBPlanes; ++pb) x += r.weighted(pa, pb, mt, j);
-        return x >> K::kShift;
-      });
+      dequantize([&](int mt, int j) { return r.total(mt, j) >> K::kShift; });
     } else {
       r.fold();
       dequantize([&](int mt, int j) { return r.wide(mt, j) >> K::kShift; });
@@ -459,9 +501,9 @@ __device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<A
   }
 }
 
-template <int AB, bool AS, int BB, bool FAST, int TB>
+template <int AB, bool AS, int BB, bool FAST, int TB, bool STACK>
 __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
-  using K = Kind<AB, AS, BB, TB>;
+  using K = Kind<AB, AS, BB, TB, STACK>;
   constexpr int kTileBytes = K::kTileBytes;
   constexpr int kChunks = K::kChunks;
   constexpr int kCopyRows = K::kCopyRows;
@@ -550,7 +592,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   };
 
   constexpr int kMT = K::kMTiles;
-  Accumulators<AB, AS, BB, kMT, K::kLocalSums> r;
+  Accumulators<K, kMT> r;
   int64_t sums[kMT * 4];
   r.zero(sums);
 
@@ -577,11 +619,13 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
         }
       }
     } else {
+      // Stacked, the lanes of columns 0-3 read row g % 2.
       SparseWords<K> a;
-      load_sparse_words<K>(g, t, row_live, [&](int off) { return ld_shared_b32(sparse0 + off); },
+      load_sparse_words<K>(K::kStacked ? g & 1 : g, t, K::kStacked ? g < 4 : row_live,
+                           [&](int off) { return ld_shared_b32(sparse0 + off); },
                            [&](int off) { return ld_shared_v2(sparse0 + off); }, a);
       uint32_t sb[K::kAPlanes][2];
-      sparse_fragment<K>(a, sb);
+      sparse_fragment<K>(a, g, sb);
       const uint32_t lrow = stage + (8 * lm + li) * kTileBytes;
       auto ldsm = [&](int chunk, uint32_t (&q)[4]) {
         ldsm_x4_trans(lrow + ((chunk ^ li) * 16), q[0], q[1], q[2], q[3]);
@@ -654,7 +698,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   allow_next_launch();
   // Every block that carried data was waited for in the loop, and the epilogue reads no shared
   // memory, so no barrier remains.
-  write_vector_row<AB, AS, BB, kMT>(p, r, bh, vrow, blockIdx.y * K::kTileCols + wchunk0 * K::kColsPerChunk,
+  write_vector_row(p, r, bh, vrow, blockIdx.y * K::kTileCols + wchunk0 * K::kColsPerChunk,
                                     nblocks);
 }
 
@@ -855,9 +899,9 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) ldsm_x4_trans(slice_at(krow, c), q[c][0], q[c][1], q[c][2], q[c][3]);
   };
-  auto multiply = [&](const uint32_t (&q)[kChunks][4], const SparseWords<K>& a, Accumulators<AB, AS, BB, kMT>& r) {
+  auto multiply = [&](const uint32_t (&q)[kChunks][4], const SparseWords<K>& a, Accumulators<K, kMT>& r) {
     uint32_t sb[K::kAPlanes][2];
-    sparse_fragment<K>(a, sb);
+    sparse_fragment<K>(a, g, sb);
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       if constexpr (BB == 8) {
@@ -890,7 +934,7 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
     for (int i = 0; i < rows; ++i) {
       const Row row = row_at(i);
       const bool has_next = i + 1 < rows;
-      Accumulators<AB, AS, BB, kMT> r;
+      Accumulators<K, kMT> r;
       int64_t sums[kMT * 4];
       r.zero(sums);
       int since_fold = 0;
@@ -929,7 +973,7 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
         }
       }
       if (row.vrow >= 0)
-        write_vector_row<AB, AS, BB, kMT>(p, r, bh, row.vrow, blockIdx.y * K::kColsPerChunk * kChunks, row.nblocks);
+        write_vector_row(p, r, bh, row.vrow, blockIdx.y * K::kColsPerChunk * kChunks, row.nblocks);
     }
   }
 }

@@ -82,18 +82,20 @@ def main() -> int:
             if not check(g, p, vm.to_dense(), bh, k, n, v, a_bits, b_bits, a_signed):
                 bad += 1
                 print(f"MISMATCH dense, batched {bh}: a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
-    # A row past the int32 accumulators' fold interval (513 blocks) in the gather kernel, on the
-    # narrow tile (N = 48), where 8-bit B keeps the folds in local memory.
+    # A row past the int32 accumulators' fold interval (513 blocks) in the gather kernel: on the
+    # narrow tile (N = 48), where 8-bit B keeps the folds in local memory, and with 16-bit A's
+    # planes stacked into one MMA (N = 160: the wide tile for 8- and 16-bit B).
     os.environ["MAGICUBE_SPMM_KERNEL"] = "gather"
     k = 32 * 513
     mask = torch.zeros(2, k, dtype=torch.bool)
     mask[1] = True
     vm = VectorMask(mask, 2)
     p = SRBCRS.from_mask(vm, stride=32)
-    for a_bits, b_bits, a_signed in ((8, 8, True), (16, 8, False)):
-        if not check(g, p, vm.to_dense(), 1, k, 48, 2, a_bits, b_bits, a_signed):
+    for a_bits, b_bits, a_signed, n in ((8, 8, True, 48), (16, 8, False, 48), (16, 8, True, 160),
+                                        (16, 16, True, 160), (16, 4, True, 160)):
+        if not check(g, p, vm.to_dense(), 1, k, n, 2, a_bits, b_bits, a_signed):
             bad += 1
-            print(f"MISMATCH gather, long row: a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
+            print(f"MISMATCH gather, long row: a_bits={a_bits} b_bits={b_bits} signed={a_signed} n={n}")
     torch.cuda.synchronize()
     print("sanitize_spmm:", "ok" if not bad else f"{bad} mismatches")
     return 1 if bad else 0

@@ -25,8 +25,9 @@ def kernels():
     return load_kernels("spmm")
 
 
-def _ways_run(a_bits, b_bits, v, sparsity, mk, n):
-    """The ways that one call launched on random operands: M = K = mk, BH 1, int64 output."""
+def _kernels_run(a_bits, b_bits, v, sparsity, mk, n):
+    """The names of the kernels that one call launched on random operands: M = K = mk, BH 1, int64
+    output."""
     g = torch.Generator(device="cuda").manual_seed(0)
     mask = random_vector_mask(mk, mk, v, sparsity, seed=1)
     p = SRBCRS.from_mask(mask, stride=32).to("cuda")
@@ -43,7 +44,12 @@ def _ways_run(a_bits, b_bits, v, sparsity, mk, n):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events()]
+    return [e.name for e in prof.events()]
+
+
+def _ways_run(*shape):
+    """The ways that one call launched (_kernels_run's arguments)."""
+    names = _kernels_run(*shape)
     return {way for way, kernel in WAY_KERNELS.items() if any(kernel in name for name in names)}
 
 
@@ -79,3 +85,25 @@ def test_forced_way_runs(kernels, monkeypatch, way):
     the gather kernel)."""
     monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", way)
     assert _ways_run(8, 8, 8, 0.9, 2048, 64) == {way}
+
+
+# (a_bits, b_bits, V, sparsity, M = K, N, whether the gather kernel stacks A's planes): 16-bit A at
+# V 2 on rows of two blocks or more (here some 10), not on 8-bit B's narrow tile (rows of at most
+# 128 bytes), nor at V 4, nor on rows of one block (sparsity 0.98 at K = 1024).
+STACK_CASES = {
+    "L16-R8-wide": (16, 8, 2, 0.7, 1024, 256, True),
+    "L16-R16": (16, 16, 2, 0.7, 1024, 64, True),
+    "L16-R4": (16, 4, 2, 0.7, 1024, 128, True),
+    "L16-R8-narrow": (16, 8, 2, 0.7, 1024, 128, False),
+    "L16-R8-v4": (16, 8, 4, 0.7, 1024, 256, False),
+    "L16-R8-one-block-rows": (16, 8, 2, 0.98, 1024, 256, False),
+}
+
+
+@pytest.mark.parametrize("case", STACK_CASES.values(), ids=STACK_CASES.keys())
+def test_stacked_planes(kernels, monkeypatch, case):
+    """The gather kernel's instance (its last template argument, STACK) that a call launches."""
+    *shape, stacked = case
+    monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", "gather")
+    names = [name for name in _kernels_run(*shape) if "spmm_kernel<" in name]
+    assert len(names) == 1 and names[0].split(">")[0].endswith("true" if stacked else "false"), names

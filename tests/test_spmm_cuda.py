@@ -138,12 +138,15 @@ def test_dense_expansion_groups(kernels, a_bits, b_bits, a_signed, bh, rows, v):
     _assert_exact(kernels, p, emask, bh, k, n, v, a_bits, a_signed, b_bits, torch.Generator().manual_seed(9))
 
 
+@pytest.mark.parametrize("v, n", [(8, 40), (2, 160)])
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
-def test_range_extremes(kernels, a_bits, b_bits, a_signed):
-    """All values at qmin or qmax: the largest products, the int32 overflow of long rows."""
+def test_range_extremes(kernels, a_bits, b_bits, a_signed, v, n):
+    """All values at qmin or qmax: the largest products, the int32 overflow of long rows. N 40 takes
+    the generic copies, N 160 the fast ones, where the gather kernel stacks 16-bit A's planes into
+    one MMA at V 2 (an offset high plane and a column of ones that undoes it)."""
     amin, amax = qrange(a_bits, a_signed)
     bmin, bmax = qrange(b_bits, True)
-    bh, rows, k, n, v = 2, 3, 2000, 40, 8
+    bh, rows, k = 2, 3, 2000
     p, emask = problem(bh, rows, k, v, 0.2, seed=5)
     for fill in [(amin, bmin), (amax, bmax), (amin, bmax), (amax, bmin)]:
         a_values, b = _inputs(p, emask, bh, k, n, a_bits, a_signed, b_bits, None, fill)
@@ -204,14 +207,16 @@ def test_output_row_alignment(kernels, a_bits, b_bits, a_signed, n):
         _assert_exact(kernels, p, emask, 3, 150, n, v, a_bits, a_signed, b_bits, g, f"v={v}: ")
 
 
-@pytest.mark.parametrize("n", [24, 32])
+@pytest.mark.parametrize("n", [24, 32, 160])
 @pytest.mark.parametrize("blocks", [511, 512, 513])
-@pytest.mark.parametrize("a_bits, b_bits", [(8, 8), (4, 4), (8, 4), (16, 8)], ids=["L8-R8", "L4-R4", "L8-R4", "L16-R8"])
+@pytest.mark.parametrize("a_bits, b_bits", [(8, 8), (4, 4), (8, 4), (16, 8), (16, 16), (16, 4)],
+                         ids=["L8-R8", "L4-R4", "L8-R4", "L16-R8", "L16-R16", "L16-R4"])
 def test_fold_boundary(kernels, a_bits, b_bits, blocks, n):
     """Rows of 511, 512 and 513 blocks: single-plane results are read from the int32 accumulator
     when no fold happened, from the folded int64 otherwise. N 24 takes the generic copies (rows
-    not on 16 bytes), N 32 the fast ones (the gather kernel's narrow tile, which for 8-bit B keeps
-    the folds in local memory)."""
+    not on 16 bytes), N 32 and 160 the fast ones: the gather kernel's narrow tile, which for 8-bit
+    B keeps the folds in local memory, and the wide one for 8- and 16-bit B; 16-bit A stacks its
+    planes into one MMA on both tiles but 8-bit B's narrow one."""
     k, v = 32 * blocks, 2
     mask = torch.zeros(3, k, dtype=torch.bool)
     mask[1] = True
