@@ -29,6 +29,26 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& 
   MAGICUBE_CHECK(t.is_contiguous(), "spmm: ", name, " must be contiguous");
 }
 
+// MAGICUBE_SPMM_KERNEL forces a kernel where it applies (tests, benchmarks): gather, stacked (the
+// gather kernel, stacking 16-bit A's planes wherever it can: launch_fast), resident (the resident-B
+// kernel), dense (the dense path) or dense_wgmma (the dense path, and our GEMM on wgmma wherever it
+// runs: Hopper); auto, the default, lets the rules below pick.
+enum class Choice { kAuto, kGather, kStacked, kResident, kDense, kDenseWgmma };
+
+bool forces_dense(Choice choice) { return choice == Choice::kDense || choice == Choice::kDenseWgmma; }
+
+Choice kernel_choice() {
+  const char* env = std::getenv("MAGICUBE_SPMM_KERNEL");
+  const std::string choice = env ? env : "auto";
+  if (choice == "gather") return Choice::kGather;
+  if (choice == "stacked") return Choice::kStacked;
+  if (choice == "resident") return Choice::kResident;
+  if (choice == "dense") return Choice::kDense;
+  if (choice == "dense_wgmma") return Choice::kDenseWgmma;
+  MAGICUBE_CHECK(choice == "auto", "MAGICUBE_SPMM_KERNEL must be auto, gather, stacked, resident, dense or dense_wgmma, got ", choice);
+  return Choice::kAuto;
+}
+
 // Both kernels are launched overlapped (launch.cuh): on small problems a call's time is mostly
 // the launch and one CTA's chain of dependent loads, 2.5-3 us, and letting the next kernel launch
 // while this one finishes hides part of it (H100, 288 cells of M = K 512-4096, back to back in a
@@ -46,16 +66,21 @@ void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t strea
                               0, stream, p);
 }
 
-// The fast copies' tiles. 16-bit A at V 2 stacks its planes into one MMA (spmm_kernel.cuh) where
-// its rows average two blocks or more, except on 8-bit B's narrow tile. H200, gather kernel,
-// M = K 1024-4096, N 128-512, sparsity 0.7 / 0.9 / 0.98, against two MMAs: L16-R4 and L12-R4
-// 0.85-0.96x the time at M = K = 4096, L16-R16 0.90-0.96x, L16-R8 0.92-0.94x (wide tile); rows of
-// one block (M = K = 1024, sparsity 0.98) 1.00-1.09x, and 8-bit B's narrow tile, whose fold sums
-// two MMAs keep in local memory, 1.01-1.09x at M = K 1024 and 4096 (kernel_checks.md).
+// The fast copies' tiles. 16-bit A at V 2 can stack its planes into one MMA (spmm_kernel.cuh),
+// except on 8-bit B's narrow tile, and does where its rows average two blocks or more and the grid
+// holds four CTAs an SM or more. H200, gather kernel, M = K 1024-4096, N 128-512, sparsity 0.7 /
+// 0.9 / 0.98, against two MMAs: L16-R4 and L12-R4 0.85-0.96x the time at M = K = 4096, L16-R16
+// 0.90-0.96x, L16-R8 0.92-0.94x (wide tile); rows of one block (M = K = 1024, sparsity 0.98)
+// 1.00-1.09x, and 8-bit B's narrow tile, whose fold sums two MMAs keep in local memory,
+// 1.01-1.09x at M = K 1024 and 4096. In the sweep, grids of fewer CTAs (M = K 512, and 1024 at N
+// up to 256) took 1.03-1.10x (kernel_checks.md, forty-sixth round).
 template <int AB, bool AS, int BB, int TB>
-void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream) {
+void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice) {
   if constexpr (AB == 16 && !magicube::spmm_detail::Kind<AB, AS, BB, TB>::kLocalSums) {
-    if (p.v == 2 && nnz_pad >= 2 * kSlots * vrows)
+    const int64_t ctas = vrows * ((p.row_bytes + TB - 1) / TB) * bh;
+    const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const bool pays = nnz_pad >= 2 * kSlots * vrows && ctas >= 4 * sms;
+    if (p.v == 2 && (choice == Choice::kStacked || (choice != Choice::kGather && pays)))
       return launch_tiles<AB, AS, BB, true, TB, true>(p, vrows, bh, stream);
   }
   launch_tiles<AB, AS, BB, true, TB>(p, vrows, bh, stream);
@@ -68,31 +93,13 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
 // fp16 at N 32 and 64), and the fp16 pipeline's P x V (batch x heads 32, L 4096, head dim 64)
 // 188 -> 112 us. The generic copies (rows not on 16 bytes) keep the wide tile.
 template <int AB, bool AS, int BB>
-void launch(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast) {
+void launch(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
+            Choice choice) {
   namespace sd = magicube::spmm_detail;
   if (!fast) return launch_tiles<AB, AS, BB, false>(p, vrows, bh, stream);
   if (p.row_bytes <= sd::kNarrowTileBytes)
-    return launch_fast<AB, AS, BB, sd::kNarrowTileBytes>(p, vrows, bh, nnz_pad, stream);
-  launch_fast<AB, AS, BB, sd::Kind<AB, AS, BB>::kTileBytes>(p, vrows, bh, nnz_pad, stream);
-}
-
-// MAGICUBE_SPMM_KERNEL forces a kernel where it applies (tests, benchmarks): gather, resident
-// (the resident-B kernel), dense (the dense path) or dense_wgmma (the dense path, and our GEMM on
-// wgmma wherever it runs: Hopper); auto, the default, lets the rules below pick.
-enum class Choice { kAuto, kGather, kResident, kDense, kDenseWgmma };
-
-bool forces_dense(Choice choice) { return choice == Choice::kDense || choice == Choice::kDenseWgmma; }
-
-Choice kernel_choice() {
-  const char* env = std::getenv("MAGICUBE_SPMM_KERNEL");
-  const std::string choice = env ? env : "auto";
-  if (choice == "gather") return Choice::kGather;
-  if (choice == "resident") return Choice::kResident;
-  if (choice == "dense") return Choice::kDense;
-  if (choice == "dense_wgmma") return Choice::kDenseWgmma;
-  MAGICUBE_CHECK(choice == "auto", "MAGICUBE_SPMM_KERNEL must be auto, gather, resident, dense or dense_wgmma, got ",
-                 choice);
-  return Choice::kAuto;
+    return launch_fast<AB, AS, BB, sd::kNarrowTileBytes>(p, vrows, bh, nnz_pad, stream, choice);
+  launch_fast<AB, AS, BB, sd::Kind<AB, AS, BB>::kTileBytes>(p, vrows, bh, nnz_pad, stream, choice);
 }
 
 // The resident-B kernel, where it applies: 8- or 4-bit B whose rows take 16-byte copies and a
@@ -114,7 +121,7 @@ template <int AB, bool AS, int BB>
 bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
                      Choice choice) {
   namespace sd = magicube::spmm_detail;
-  if (choice == Choice::kGather || forces_dense(choice) || !fast) return false;
+  if (choice == Choice::kGather || choice == Choice::kStacked || forces_dense(choice) || !fast) return false;
   constexpr auto kernel = sd::spmm_resident_kernel<AB, AS, BB>;
   const int64_t smem = (static_cast<int64_t>(p.k) + 1) * sd::kResidentSliceBytes;
   if (smem > magicube::max_dynamic_smem<kernel>()) return false;
@@ -143,9 +150,9 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
 
 template <int AB, int BB>
 void launch_signed(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
-                   bool a_signed) {
-  if (a_signed) launch<AB, true, BB>(p, vrows, bh, nnz_pad, stream, fast);
-  else launch<AB, false, BB>(p, vrows, bh, nnz_pad, stream, fast);
+                   bool a_signed, Choice choice) {
+  if (a_signed) launch<AB, true, BB>(p, vrows, bh, nnz_pad, stream, fast, choice);
+  else launch<AB, false, BB>(p, vrows, bh, nnz_pad, stream, fast, choice);
 }
 
 // Which of our GEMMs multiplies the planes where cuBLAS's does not (pick_gemm).
@@ -464,7 +471,7 @@ void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
     }
   }
   if (dense) return run_dense<AB, BB>(p, *dense, vrows, bh, a_signed, stream);
-  launch_signed<AB, BB>(p, vrows, bh, nnz_pad, stream, fast, a_signed);
+  launch_signed<AB, BB>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice);
 }
 
 at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order,
@@ -590,7 +597,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   }
 
   if (fp16) {
-    launch<0, true, 0>(p, vrows, bh, nnz_pad, stream, fast);
+    launch<0, true, 0>(p, vrows, bh, nnz_pad, stream, fast, choice);
   } else if (a_bits == 8 && b_bits == 8) {
     launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense);
   } else if (a_bits == 4 && b_bits == 4) {

@@ -58,7 +58,8 @@ def spmm(pattern: SRBCRS, a_values: torch.Tensor, b: torch.Tensor, *, a_bits: in
     enough that B would be gathered many times over (low V and sparsity), A and B expanded to byte
     planes for a dense int8 GEMM (cuBLAS's for one signed plane each on small problems, else the
     project's own, on wgmma on Hopper); the op picks by estimated time, and the environment
-    variable MAGICUBE_SPMM_KERNEL=gather|resident|dense|dense_wgmma forces one where it applies.
+    variable MAGICUBE_SPMM_KERNEL=gather|stacked|resident|dense|dense_wgmma forces one where it
+    applies (stacked: the gather kernel with 16-bit A's two byte planes in one MMA, at V 2).
     """
     p = _pattern(pattern, b.device)
     if b.dim() != 3:

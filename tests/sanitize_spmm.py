@@ -46,15 +46,16 @@ def main() -> int:
     extension.load("spmm")
     bad = 0
     g = torch.Generator().manual_seed(0)
-    # Every way: the resident-B kernel (8- and 4-bit B on 16-byte rows) and the dense path (integer
-    # operands) run on problems this small only when asked for; on Hopper also the dense path with
+    # Every way: the gather kernel with 16-bit A's planes stacked (V 2, 16-byte rows), the
+    # resident-B kernel (8- and 4-bit B on 16-byte rows) and the dense path (integer operands) run
+    # on problems this small only when asked for; on Hopper also the dense path with
     # its wgmma GEMM, whose smaller tile runs here when forced (within one wave, its deeper ring),
     # its larger one on the first batched problem at the end (12 x 3 x 3 tiles) and, with one
     # plane product, its smaller tile past one wave on the second (40 x 2 x 2 tiles), each also at
     # an N of whole 16-byte fp16 chunks (the two-warpgroup tiles' staged stores); the fifth's
     # expansion takes groups of 8 vector rows a CTA, the last of 5 rows; with one or two plane
     # products the last two take the least tile (64 x 64) within one wave of 132 SMs and past it.
-    kernels = ["gather", "resident", "dense"]
+    kernels = ["gather", "stacked", "resident", "dense"]
     if torch.cuda.get_device_capability()[0] == 9:
         kernels.append("dense_wgmma")
     for kernel in kernels:
@@ -85,7 +86,7 @@ def main() -> int:
     # A row past the int32 accumulators' fold interval (513 blocks) in the gather kernel: on the
     # narrow tile (N = 48), where 8-bit B keeps the folds in local memory, and with 16-bit A's
     # planes stacked into one MMA (N = 160: the wide tile for 8- and 16-bit B).
-    os.environ["MAGICUBE_SPMM_KERNEL"] = "gather"
+    os.environ["MAGICUBE_SPMM_KERNEL"] = "stacked"
     k = 32 * 513
     mask = torch.zeros(2, k, dtype=torch.bool)
     mask[1] = True

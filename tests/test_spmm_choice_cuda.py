@@ -87,23 +87,31 @@ def test_forced_way_runs(kernels, monkeypatch, way):
     assert _ways_run(8, 8, 8, 0.9, 2048, 64) == {way}
 
 
-# (a_bits, b_bits, V, sparsity, M = K, N, whether the gather kernel stacks A's planes): 16-bit A at
-# V 2 on rows of two blocks or more (here some 10), not on 8-bit B's narrow tile (rows of at most
-# 128 bytes), nor at V 4, nor on rows of one block (sparsity 0.98 at K = 1024).
+# (a_bits, b_bits, V, sparsity, M = K, N, MAGICUBE_SPMM_KERNEL, whether the gather kernel stacks
+# A's planes): by default 16-bit A at V 2 where rows average two blocks or more (here 4) and the
+# grid holds four CTAs an SM or more (1024 here, on GPUs of up to 256 SMs), not on 8-bit B's narrow
+# tile (rows of at most 128 bytes), nor at V 4, nor on rows of one block (sparsity 0.99), nor on a
+# grid of 256 CTAs; `stacked` stacks wherever it can, `gather` never does.
 STACK_CASES = {
-    "L16-R8-wide": (16, 8, 2, 0.7, 1024, 256, True),
-    "L16-R16": (16, 16, 2, 0.7, 1024, 64, True),
-    "L16-R4": (16, 4, 2, 0.7, 1024, 128, True),
-    "L16-R8-narrow": (16, 8, 2, 0.7, 1024, 128, False),
-    "L16-R8-v4": (16, 8, 4, 0.7, 1024, 256, False),
-    "L16-R8-one-block-rows": (16, 8, 2, 0.98, 1024, 256, False),
+    "L16-R8-wide": (16, 8, 2, 0.95, 2048, 256, "auto", True),
+    "L16-R16": (16, 16, 2, 0.95, 2048, 128, "auto", True),
+    "L16-R4": (16, 4, 2, 0.95, 2048, 256, "auto", True),
+    "L16-R8-narrow": (16, 8, 2, 0.95, 2048, 128, "auto", False),
+    "L16-R8-v4": (16, 8, 4, 0.95, 2048, 256, "auto", False),
+    "L16-R8-one-block-rows": (16, 8, 2, 0.99, 2048, 256, "auto", False),
+    "L16-R8-few-ctas": (16, 8, 2, 0.9, 512, 256, "auto", False),
+    "L16-R8-few-ctas-stacked": (16, 8, 2, 0.9, 512, 256, "stacked", True),
+    "L16-R8-wide-gather": (16, 8, 2, 0.95, 2048, 256, "gather", False),
 }
 
 
 @pytest.mark.parametrize("case", STACK_CASES.values(), ids=STACK_CASES.keys())
 def test_stacked_planes(kernels, monkeypatch, case):
-    """The gather kernel's instance (its last template argument, STACK) that a call launches."""
-    *shape, stacked = case
-    monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", "gather")
-    names = [name for name in _kernels_run(*shape) if "spmm_kernel<" in name]
-    assert len(names) == 1 and names[0].split(">")[0].endswith("true" if stacked else "false"), names
+    """The gather kernel runs, and its instance (the last template argument, STACK) is the one the
+    case names."""
+    *shape, way, stacked = case
+    monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", way)
+    names = _kernels_run(*shape)
+    gathers = [name for name in names if WAY_KERNELS["gather"] in name]
+    assert _ways_run(*shape) == {"gather"} and len(gathers) == 1, names
+    assert gathers[0].split(">")[0].endswith("true" if stacked else "false"), gathers

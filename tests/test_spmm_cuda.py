@@ -35,16 +35,21 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-@pytest.fixture(autouse=True, params=["gather", "resident", "dense", "dense_wgmma"])
+@pytest.fixture(autouse=True, params=["gather", "stacked", "resident", "dense", "dense_wgmma"])
 def spmm_kernel(request, monkeypatch):
-    """Each test of integer operands runs every way the op computes: the gather kernel, the
-    resident-B kernel (8- or 4-bit B), which the automatic choice takes on narrow B, and the dense
-    path, which it takes at low V and sparsity, with its GEMM chosen by size (on problems this
-    small the mma.sync one) and, on Hopper, with the wgmma GEMM forced. Where the one forced does
-    not apply (the resident kernel on dense rows not on 16 bytes or B's slice past shared memory,
-    the dense path past its K) the gather kernel runs."""
+    """Each test of integer operands runs every way the op computes: the gather kernel, with 12-
+    and 16-bit A's planes in two MMAs and (at V 2) stacked into one, which the automatic choice
+    takes on larger problems than these, the resident-B kernel (8- or 4-bit B), which it takes on
+    narrow B, and the dense path, which it takes at low V and sparsity, with its GEMM chosen by size
+    (on problems this small the mma.sync one) and, on Hopper, with the wgmma GEMM forced. Where the
+    one forced does not apply (stacking at V 4 and 8 or on 8-bit B's narrow tile, the resident
+    kernel on dense rows not on 16 bytes or B's slice past shared memory, the dense path past its
+    K) the gather kernel runs."""
     callspec = getattr(request.node, "callspec", None)
     b_bits = callspec.params.get("b_bits") if callspec else None
+    a_bits = callspec.params.get("a_bits") if callspec else None
+    if request.param == "stacked" and (a_bits or 0) < 12:
+        pytest.skip("the gather kernel stacks the planes of 12- and 16-bit A")
     if request.param == "resident" and b_bits not in (8, 4):
         pytest.skip("the resident-B kernel takes 8- and 4-bit B")
     if request.param.startswith("dense") and b_bits is None:
