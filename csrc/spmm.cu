@@ -45,7 +45,8 @@ Choice kernel_choice() {
   if (choice == "resident") return Choice::kResident;
   if (choice == "dense") return Choice::kDense;
   if (choice == "dense_wgmma") return Choice::kDenseWgmma;
-  MAGICUBE_CHECK(choice == "auto", "MAGICUBE_SPMM_KERNEL must be auto, gather, stacked, resident, dense or dense_wgmma, got ", choice);
+  MAGICUBE_CHECK(choice == "auto",
+                 "MAGICUBE_SPMM_KERNEL must be auto, gather, stacked, resident, dense or dense_wgmma, got ", choice);
   return Choice::kAuto;
 }
 
@@ -70,10 +71,10 @@ void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t strea
 // except on 8-bit B's narrow tile, and does where its rows average two blocks or more and the grid
 // holds four CTAs an SM or more. H200, gather kernel, M = K 1024-4096, N 128-512, sparsity 0.7 /
 // 0.9 / 0.98, against two MMAs: L16-R4 and L12-R4 0.85-0.96x the time at M = K = 4096, L16-R16
-// 0.90-0.96x, L16-R8 0.92-0.94x (wide tile); rows of one block (M = K = 1024, sparsity 0.98)
+// 0.90-0.95x, L16-R8 0.92-0.94x (wide tile); rows of one block (M = K = 1024, sparsity 0.98)
 // 1.00-1.09x, and 8-bit B's narrow tile, whose fold sums two MMAs keep in local memory,
 // 1.01-1.09x at M = K 1024 and 4096. In the sweep, grids of fewer CTAs (M = K 512, and 1024 at N
-// up to 256) took 1.03-1.10x (kernel_checks.md, forty-sixth round).
+// up to 256) took up to 1.10x (kernel_checks.md, forty-sixth round).
 template <int AB, bool AS, int BB, int TB>
 void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice) {
   if constexpr (AB == 16 && !magicube::spmm_detail::Kind<AB, AS, BB, TB>::kLocalSums) {

@@ -33,10 +33,11 @@
 // u16; lo unsigned), multiplied plane by plane with mixed-signedness MMAs and recombined with
 // shifts in int64. At V 2 both planes of 16-bit A share one MMA (Kind's STACK): the sparse operand
 // has 8 columns and the vector 2 rows, so its columns take the rows' high planes, their low planes
-// and, for signed A, a column of ones. The high planes are offset by 128 to unsigned bytes and the
-// ones column sums the gathered rows, which undoes the offset: x = 256 (hi + 128) + lo - 32768 per
-// gathered row. One MMA a tile instead of two, and half the accumulators. int4 values are widened in registers to 16 * value (a mask, no sign
-// arithmetic) and the exact multiple of 16 is shifted out at the end. The int32 accumulators are
+// and, for signed A, a column of ones. Signed high planes are offset by 128 to unsigned bytes, and
+// the ones column sums the gathered rows, which undoes the offset: x = 256 (hi + 128) + lo - 32768
+// per gathered row. One MMA a tile instead of two, and half the accumulators. int4 values are
+// widened in registers to 16 * value (a mask, no sign arithmetic) and the exact multiple of 16 is
+// shifted out at the end. The int32 accumulators are
 // folded into int64 every 512 blocks, before any plane product could overflow (a block adds at
 // most 32 * 255 * 255 < 2^21 per plane).
 #pragma once
