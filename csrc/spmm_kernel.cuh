@@ -37,9 +37,8 @@
 // the ones column sums the gathered rows, which undoes the offset: x = 256 (hi + 128) + lo - 32768
 // per gathered row. One MMA a tile instead of two, and half the accumulators. int4 values are
 // widened in registers to 16 * value (a mask, no sign arithmetic) and the exact multiple of 16 is
-// shifted out at the end. The int32 accumulators are
-// folded into int64 every 512 blocks, before any plane product could overflow (a block adds at
-// most 32 * 255 * 255 < 2^21 per plane).
+// shifted out at the end. The int32 accumulators are folded into int64 every 512 blocks, before any
+// plane product could overflow (a block adds at most 32 * 255 * 255 < 2^21 per plane).
 #pragma once
 
 #include <cstdint>
@@ -699,8 +698,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   allow_next_launch();
   // Every block that carried data was waited for in the loop, and the epilogue reads no shared
   // memory, so no barrier remains.
-  write_vector_row(p, r, bh, vrow, blockIdx.y * K::kTileCols + wchunk0 * K::kColsPerChunk,
-                                    nblocks);
+  write_vector_row(p, r, bh, vrow, blockIdx.y * K::kTileCols + wchunk0 * K::kColsPerChunk, nblocks);
 }
 
 // Resident B (8- and 4-bit B): one CTA holds a 32-byte column slice of B[bh] for every k in shared

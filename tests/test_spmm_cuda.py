@@ -147,8 +147,8 @@ def test_dense_expansion_groups(kernels, a_bits, b_bits, a_signed, bh, rows, v):
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
 def test_range_extremes(kernels, a_bits, b_bits, a_signed, v, n):
     """All values at qmin or qmax: the largest products, the int32 overflow of long rows. N 40 takes
-    the generic copies, N 160 the fast ones, where the gather kernel stacks 16-bit A's planes into
-    one MMA at V 2 (an offset high plane and a column of ones that undoes it)."""
+    the generic copies, N 160 the fast ones, where the stacked way puts 16-bit A's planes into one
+    MMA at V 2 (an offset high plane and a column of ones that undoes it)."""
     amin, amax = qrange(a_bits, a_signed)
     bmin, bmax = qrange(b_bits, True)
     bh, rows, k = 2, 3, 2000
@@ -220,8 +220,8 @@ def test_fold_boundary(kernels, a_bits, b_bits, blocks, n):
     """Rows of 511, 512 and 513 blocks: single-plane results are read from the int32 accumulator
     when no fold happened, from the folded int64 otherwise. N 24 takes the generic copies (rows
     not on 16 bytes), N 32 and 160 the fast ones: the gather kernel's narrow tile, which for 8-bit
-    B keeps the folds in local memory, and the wide one for 8- and 16-bit B; 16-bit A stacks its
-    planes into one MMA on both tiles but 8-bit B's narrow one."""
+    B keeps the folds in local memory, and the wide one for 8- and 16-bit B; the stacked way puts
+    16-bit A's planes into one MMA on both tiles but 8-bit B's narrow one."""
     k, v = 32 * blocks, 2
     mask = torch.zeros(3, k, dtype=torch.bool)
     mask[1] = True
