@@ -7,9 +7,14 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
+#include <limits>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "check.cuh"
 #include "launch.cuh"
@@ -32,8 +37,9 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& 
 // MAGICUBE_SPMM_KERNEL forces a kernel where it applies (tests, benchmarks): gather, stacked (the
 // gather kernel, stacking 16-bit A's planes wherever it can: launch_fast), resident (the resident-B
 // kernel), dense (the dense path) or dense_wgmma (the dense path, and our GEMM on wgmma wherever it
-// runs: Hopper); auto, the default, lets the rules below pick.
-enum class Choice { kAuto, kGather, kStacked, kResident, kDense, kDenseWgmma };
+// runs: Hopper); auto, the default, lets the rules below pick; tuned times the ways that apply on a
+// problem's first call and runs the fastest from then on (tuned_choice).
+enum class Choice { kAuto, kTuned, kGather, kStacked, kResident, kDense, kDenseWgmma };
 
 bool forces_dense(Choice choice) { return choice == Choice::kDense || choice == Choice::kDenseWgmma; }
 
@@ -45,8 +51,9 @@ Choice kernel_choice() {
   if (choice == "resident") return Choice::kResident;
   if (choice == "dense") return Choice::kDense;
   if (choice == "dense_wgmma") return Choice::kDenseWgmma;
-  MAGICUBE_CHECK(choice == "auto",
-                 "MAGICUBE_SPMM_KERNEL must be auto, gather, stacked, resident, dense or dense_wgmma, got ", choice);
+  if (choice == "tuned") return Choice::kTuned;
+  MAGICUBE_CHECK(choice == "auto", "MAGICUBE_SPMM_KERNEL must be auto, tuned, gather, stacked, resident, dense or ",
+                 "dense_wgmma, got ", choice);
   return Choice::kAuto;
 }
 
@@ -167,6 +174,9 @@ struct DenseShape {
   Gemm gemm;
   // Each plane product stays below 2^31 in its int32 accumulator.
   bool applies() const { return a_max * b_max * k_pad < (int64_t{1} << 31); }
+  // A's planes for `bh` batch x heads within 1 GiB: past that the automatic and tuned choices run
+  // the gather kernels, slower, instead of the allocator failing.
+  bool fits(int64_t bh) const { return bh * a_planes * m_pad * k_pad <= (int64_t{1} << 30); }
   // One plane each, both signed bytes (A's values at most 128), where our wgmma GEMM does not run:
   // cuBLAS's int8 GEMM and a pass that stores its products, faster there than our mma.sync GEMM
   // (H200, M = K = 2048, N 256: 6.9 us and the pass against 9.4, before its paired stores). Where
@@ -247,12 +257,10 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // (c3870c0), and with 12- and 16-bit A 1.05x again (forty-first round), so the dense estimates run
 // high by up to its saving; refitted on the faster expansion they chose no better (0.37 % against
 // these constants' 0.32 %, thirty-fifth round), nor did the two-plane pairs' expansion terms scaled
-// by 0.7-0.95 (0.38-0.61 % against 0.38-0.40 %, forty-first round's calibration). A's planes are
-// capped at 1 GiB: past that the gather kernels run, slower, instead of the allocator failing.
+// by 0.7-0.95 (0.38-0.61 % against 0.38-0.40 %, forty-first round's calibration).
 bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pad) {
   constexpr double kMega = 1e-6;
-  constexpr int64_t kMaxWorkspace = int64_t{1} << 30;
-  if (bh * d.a_planes * d.m_pad * d.k_pad > kMaxWorkspace) return false;
+  if (!d.fits(bh)) return false;
   const double a_mb = 1.0 * d.a_planes * d.m_pad * d.k_pad * kMega;
   const double product_gop = 2e-9 * d.m_pad * d.n_pad * d.k_pad;
   const int64_t products = d.a_planes * d.b_planes;
@@ -475,6 +483,46 @@ void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
   launch_signed<AB, BB>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice);
 }
 
+// MAGICUBE_SPMM_KERNEL=tuned, as cuDNN's benchmark mode: the first call of a problem (its key:
+// device, precisions, shapes, V, BH, stored slots, longest row, row bytes, copy width, output type)
+// times each of `ways` by `run` (every way once, then the best of two rounds of three back-to-back
+// calls, CUDA events on the caller's stream) and remembers the fastest, which later calls run
+// without timing; every way gives the same bits. Inside a CUDA graph capture nothing can be timed:
+// a problem not tuned yet takes the automatic choice there, unremembered.
+using TuneKey = std::array<int64_t, 14>;
+
+template <class Run>
+Choice tuned_choice(const TuneKey& key, const std::vector<Choice>& ways, cudaStream_t stream, Run&& run) {
+  static std::mutex mutex;
+  static std::map<TuneKey, Choice> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (const auto it = known.find(key); it != known.end()) return it->second;
+  cudaStreamCaptureStatus capture;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return Choice::kAuto;
+  struct Event {
+    cudaEvent_t e;
+    Event() { C10_CUDA_CHECK(cudaEventCreate(&e)); }
+    ~Event() { C10_CUDA_CHECK_WARN(cudaEventDestroy(e)); }
+  } start, stop;
+  // Each way's first call (attributes, workspace) stays out of the timing.
+  for (const Choice way : ways) run(way);
+  Choice best = ways.front();
+  float best_ms = std::numeric_limits<float>::infinity();
+  for (int round = 0; round < 2; ++round)
+    for (const Choice way : ways) {
+      C10_CUDA_CHECK(cudaEventRecord(start.e, stream));
+      for (int call = 0; call < 3; ++call) run(way);
+      C10_CUDA_CHECK(cudaEventRecord(stop.e, stream));
+      C10_CUDA_CHECK(cudaEventSynchronize(stop.e));
+      float ms = 0.f;
+      C10_CUDA_CHECK(cudaEventElapsedTime(&ms, start.e, stop.e));
+      if (ms < best_ms) best_ms = ms, best = way;
+    }
+  known.emplace(key, best);
+  return best;
+}
+
 at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order,
                      const at::Tensor& a_values, const at::Tensor& b, const std::optional<at::Tensor>& scale_a,
                      const std::optional<at::Tensor>& scale_b, int64_t v, int64_t m, int64_t a_bits, bool a_signed,
@@ -587,31 +635,46 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   p.out_int64 = out_dtype == at::kLong;
   p.balance = magicube::long_rows(nnz_pad, vrows, longest_row, kSlots).candidates > 0;
 
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool fast = copy_bytes == 16;
-  const Choice choice = kernel_choice();
-  std::optional<Dense> dense;
-  if (!fp16) {
-    const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits, bh, choice == Choice::kDenseWgmma);
-    if (d.applies() && (forces_dense(choice) || (choice == Choice::kAuto && dense_pays(d, p, bh, nnz_pad))))
-      dense = Dense{d, col_idx, out};
-  }
-
+  Choice choice = kernel_choice();
   if (fp16) {
     launch<0, true, 0>(p, vrows, bh, nnz_pad, stream, fast, choice);
-  } else if (a_bits == 8 && b_bits == 8) {
-    launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense);
-  } else if (a_bits == 4 && b_bits == 4) {
-    launch_pair<4, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense);
-  } else if (a_bits >= 12 && b_bits == 8) {
-    launch_pair<16, 8>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense);
-  } else if (a_bits >= 12 && b_bits == 16) {
-    launch_pair<16, 16>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense);
-  } else if (a_bits == 8 && b_bits == 4) {
-    launch_pair<8, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense);
-  } else {
-    launch_pair<16, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, dense);
+    return out;
   }
+  // One call of the integer pair by `way` (auto: the rules' pick).
+  auto run = [&](Choice way) {
+    const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits, bh, way == Choice::kDenseWgmma);
+    std::optional<Dense> dense;
+    if (d.applies() && (forces_dense(way) || (way == Choice::kAuto && dense_pays(d, p, bh, nnz_pad))))
+      dense = Dense{d, col_idx, out};
+    if (a_bits == 8 && b_bits == 8) {
+      launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, fast, a_signed, way, dense);
+    } else if (a_bits == 4 && b_bits == 4) {
+      launch_pair<4, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed, way, dense);
+    } else if (a_bits >= 12 && b_bits == 8) {
+      launch_pair<16, 8>(p, vrows, bh, nnz_pad, stream, fast, a_signed, way, dense);
+    } else if (a_bits >= 12 && b_bits == 16) {
+      launch_pair<16, 16>(p, vrows, bh, nnz_pad, stream, fast, a_signed, way, dense);
+    } else if (a_bits == 8 && b_bits == 4) {
+      launch_pair<8, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed, way, dense);
+    } else {
+      launch_pair<16, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed, way, dense);
+    }
+  };
+  if (choice == Choice::kTuned) {
+    // The ways that differ here: the gather kernel, stacked or not, the resident-B kernel and the
+    // dense path, where each applies.
+    std::vector<Choice> ways{Choice::kGather};
+    if (fast && a_bits >= 12 && v == 2) ways.push_back(Choice::kStacked);
+    if (fast && b_bits != 16) ways.push_back(Choice::kResident);
+    const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits, bh, false);
+    if (d.applies() && d.fits(bh)) ways.push_back(Choice::kDense);
+    const TuneKey key{b.get_device(), a_bits, a_signed, b_bits, m, n, k, v, bh, nnz_pad, longest_row, row_bytes, fast,
+                      p.out_int64};
+    choice = tuned_choice(key, ways, stream, run);
+  }
+  run(choice);
   return out;
 }
 

@@ -1,6 +1,6 @@
 """SpMM kernel benchmark: every precision of the SR-BCRS kernels against dense and sparse baselines.
 
-    python -m magicube.eval.bench_spmm [--quick] [--out DIR]
+    python -m magicube.eval.bench_spmm [--quick] [--kernel auto|tuned] [--out DIR]
 
 Sweeps sparsity, vector length V, N and M = K; times each kernel (fp16 output, dequantization
 fused) with CUDA events after warm-up (back-to-back calls replayed from a CUDA graph, L2 warm)
@@ -13,8 +13,10 @@ two open speed targets"). Baselines in the same run: cuBLAS fp16, `torch._int_mm
 project's fp16 SR-BCRS kernel and cuSPARSE fp16 CSR SpMM (`to_sparse_csr() @ dense`). Then the
 attention pipeline's P x V (32 batch x heads, M = K = 4096, N = 64), the narrow product the
 resident-B kernel serves, with each SpMM kernel forced and with the automatic choice, against
-cuBLAS fp16 bmm. Writes spmm[_quick]_<device>.json and a plot of speedup over cuBLAS against
-sparsity (one panel per V).
+cuBLAS fp16 bmm. The integer SpMM picks its way by its rules' estimates, or with `--kernel tuned`
+by timing the ways at each problem's first call (MAGICUBE_SPMM_KERNEL=tuned). Writes
+spmm[_quick][_tuned]_<device>.json and a plot of speedup over cuBLAS against sparsity (one panel
+per V).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ TARGET = dict(pair="L8-R8", v=8, sparsity=0.9, mk=4096, n=256)
 # The attention pipeline's P x V (B 8 x H 4, L 4096, head dim 64), where B is narrow and the
 # resident-B kernel serves: timed with each kernel forced and with the automatic choice.
 PV = dict(bh=32, mk=4096, n=64, v=8, sparsity=[0.9, 0.95], pairs=[(8, 8), (16, 8), (8, 4)])
-KERNEL_CHOICES = ("gather", "resident", "dense", "auto")
+KERNEL_CHOICES = ("gather", "resident", "dense", "auto", "tuned")
 
 
 def gathered_bytes(kernel: str, m: int, k: int, n: int, v: int, density: float) -> float | None:
@@ -171,11 +173,16 @@ def run_pv(reps: int, log=print):
                     line.append(f"L{ab}-R{bb} {choice} {ms * 1e3:.1f}us")
             log(f"  V={v} s={sp}: " + ", ".join(line))
     finally:
-        if saved is None:
-            os.environ.pop("MAGICUBE_SPMM_KERNEL", None)
-        else:
-            os.environ["MAGICUBE_SPMM_KERNEL"] = saved
+        _restore_kernel(saved)
     return records
+
+
+def _restore_kernel(saved: str | None):
+    """MAGICUBE_SPMM_KERNEL as it was (`saved`, None where unset)."""
+    if saved is None:
+        os.environ.pop("MAGICUBE_SPMM_KERNEL", None)
+    else:
+        os.environ["MAGICUBE_SPMM_KERNEL"] = saved
 
 
 def summarize(records):
@@ -240,8 +247,12 @@ def plot(records, path: Path, title: str):
 
 
 def main(argv=None) -> int:
+    def kernel_arg(ap):
+        ap.add_argument("--kernel", choices=("auto", "tuned"), default="auto",
+                        help="the integer SpMM's way: by its rules (auto) or timed at a problem's first call (tuned)")
+
     args = kernel_bench_args("bench_spmm", __doc__, argv, quick="a small subset (the target shape included)",
-                             reps=15, reps_help="timed replays of %d back-to-back calls" % INNER)
+                             reps=15, reps_help="timed replays of %d back-to-back calls" % INNER, extra=kernel_arg)
     if args is None:
         return 2
     extension.load("spmm")
@@ -249,15 +260,21 @@ def main(argv=None) -> int:
     cfg = QUICK if args.quick else FULL
     print(f"bench_spmm on {env.get('device')}, torch {env['torch']}, CUDA {env['cuda']}", flush=True)
     out = Path(args.out)
-    name = f"spmm{'_quick' if args.quick else ''}_{device_slug(env)}"
+    name = f"spmm{'_quick' if args.quick else ''}{'_tuned' if args.kernel == 'tuned' else ''}_{device_slug(env)}"
 
     def save(records, complete=False):
-        save_json(out / f"{name}.json", dict(environment=env, config=cfg, quick=args.quick, complete=complete,
+        save_json(out / f"{name}.json", dict(environment=env, config=cfg, quick=args.quick, kernel=args.kernel,
+                                             complete=complete,
                                              timing=f"median of {args.reps} CUDA-graph replays of {INNER} calls",
                                              summary=summarize(records), records=records))
 
     log = lambda s: print(s, flush=True)  # noqa: E731
-    records = run(cfg, args.reps, log=log, checkpoint=save)
+    saved = os.environ.get("MAGICUBE_SPMM_KERNEL")
+    os.environ["MAGICUBE_SPMM_KERNEL"] = args.kernel
+    try:
+        records = run(cfg, args.reps, log=log, checkpoint=save)
+    finally:
+        _restore_kernel(saved)
     records += run_pv(args.reps, log=log)
     save(records, complete=True)
     print("summary:", summarize(records))

@@ -25,6 +25,10 @@ def test_kernel_benchmarks_reject_unknown_options(capsys):
         bench_attention.main(["--mask", "banded"])
     assert exit_.value.code == 2
     assert "--mask: invalid choice: 'banded'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        bench_spmm.main(["--kernel", "fastest"])
+    assert exit_.value.code == 2
+    assert "--kernel: invalid choice: 'fastest'" in capsys.readouterr().err
 
 
 def test_device_slug_names_the_device():

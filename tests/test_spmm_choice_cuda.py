@@ -3,7 +3,7 @@ from the names of the kernels that a profiled call launches: the ways give equal
 other tests cannot tell them apart. The automatic choice's cells lie far from its thresholds (by
 its own estimates at least 1.2x between the ways it weighs, mostly 2-20x), so they hold on any
 GPU that fits B's slice in shared memory; a forced way runs where it applies, whatever the
-estimates say.
+estimates say; the tuned choice runs the way it timed fastest.
 """
 
 import pytest
@@ -25,20 +25,28 @@ def kernels():
     return load_kernels("spmm")
 
 
-def _kernels_run(a_bits, b_bits, v, sparsity, mk, n):
-    """The names of the kernels that one call launched on random operands: M = K = mk, BH 1, int64
-    output."""
+def _problem(a_bits, b_bits, v, sparsity, mk, n):
+    """One call of the integer SpMM on random operands (M = K = mk, BH 1, int64 output) and the
+    exact product it must return."""
     g = torch.Generator(device="cuda").manual_seed(0)
     mask = random_vector_mask(mk, mk, v, sparsity, seed=1)
     p = SRBCRS.from_mask(mask, stride=32).to("cuda")
-    emask = mask.to_dense().to("cuda")
-    a_values = to_container(p.pack_values(random_ints((1, mk, mk), a_bits, True, g) * emask), a_bits)
-    b = to_container(random_ints((1, mk, n), b_bits, True, g), b_bits)
+    qa = random_ints((1, mk, mk), a_bits, True, g) * mask.to_dense().to("cuda")
+    qb = random_ints((1, mk, n), b_bits, True, g)
+    a_values = to_container(p.pack_values(qa), a_bits)
+    b = to_container(qb, b_bits)
 
     def call():
         return torch.ops.magicube_cuda.spmm(p.row_ptr, p.col_idx, p.row_order, a_values, b, None, None, v, mk,
                                             a_bits, True, b_bits, torch.int64, p.longest_row)
 
+    # Exact in float64: every partial sum stays below 2^53.
+    return call, (qa.double() @ qb.double()).long()
+
+
+def _kernels_run(*shape, call=None):
+    """The names of the kernels that one call launched (_problem's arguments, or `call`)."""
+    call = call or _problem(*shape)[0]
     call()  # loads cuBLAS and settles the allocator outside the profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -47,9 +55,9 @@ def _kernels_run(a_bits, b_bits, v, sparsity, mk, n):
     return [e.name for e in prof.events()]
 
 
-def _ways_run(*shape):
+def _ways_run(*shape, call=None):
     """The ways that one call launched (_kernels_run's arguments)."""
-    names = _kernels_run(*shape)
+    names = _kernels_run(*shape, call=call)
     return {way for way, kernel in WAY_KERNELS.items() if any(kernel in name for name in names)}
 
 
@@ -115,3 +123,46 @@ def test_stacked_planes(kernels, monkeypatch, case):
     gathers = [name for name in names if WAY_KERNELS["gather"] in name]
     assert _ways_run(*shape) == {"gather"} and len(gathers) == 1, names
     assert gathers[0].split(">")[0].endswith("true" if stacked else "false"), gathers
+
+
+# (a_bits, b_bits, V, sparsity, M = K, N, the ways the tuned choice may take): cells where the
+# other ways take several times as long, so timing noise cannot flip the choice.
+TUNED_CASES = {
+    # Each row of B gathered 512 times: the dense path.
+    "low-sparsity-dense": (8, 8, 2, 0.5, 2048, 256, {"dense"}),
+    # Few gathers, where the dense path would expand all of A: a gather kernel.
+    "few-gathers": (16, 8, 8, 0.98, 2048, 256, {"gather", "resident"}),
+}
+
+
+@pytest.mark.parametrize("case", TUNED_CASES.values(), ids=TUNED_CASES.keys())
+def test_tuned_choice(kernels, monkeypatch, case):
+    """MAGICUBE_SPMM_KERNEL=tuned: the first call times the ways and returns the product; later
+    calls run one way, the fastest."""
+    *shape, fastest = case
+    monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", "tuned")
+    call, reference = _problem(*shape)
+    assert torch.equal(call(), reference)
+    ways = _ways_run(call=call)
+    assert len(ways) == 1 and ways <= fastest, ways
+    assert torch.equal(call(), reference)
+
+
+def test_tuned_inside_graph_capture(kernels, monkeypatch):
+    """A problem first met inside a CUDA graph capture, where nothing can be timed, takes the
+    automatic choice there; its first call outside is tuned."""
+    shape = (8, 8, 4, 0.9, 1024, 96)  # met nowhere else in the session
+    call, reference = _problem(*shape)
+    monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", "auto")
+    call()  # the kernels' attributes are set outside the capture
+    torch.cuda.synchronize()
+    monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", "tuned")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    out.fill_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, reference)
+    assert torch.equal(call(), reference)
+    assert len(_ways_run(call=call)) == 1
