@@ -12,8 +12,8 @@ about those bytes from L2, which bounds it (`eval/results/kernel_checks.md`, "Wh
 two open speed targets"). Baselines in the same run: cuBLAS fp16, `torch._int_mm` int8, the
 project's fp16 SR-BCRS kernel and cuSPARSE fp16 CSR SpMM (`to_sparse_csr() @ dense`). Then the
 attention pipeline's P x V (32 batch x heads, M = K = 4096, N = 64), the narrow product the
-resident-B kernel serves, with each SpMM kernel forced and with the automatic choice, against
-cuBLAS fp16 bmm. The integer SpMM picks its way by its rules' estimates, or with `--kernel tuned`
+resident-B kernel serves, with each SpMM kernel forced and with the automatic and tuned choices,
+against cuBLAS fp16 bmm. The integer SpMM picks its way by its rules' estimates, or with `--kernel tuned`
 by timing the ways at each problem's first call (MAGICUBE_SPMM_KERNEL=tuned). Writes
 spmm[_quick][_tuned]_<device>.json and a plot of speedup over cuBLAS against sparsity (one panel
 per V).
@@ -37,7 +37,7 @@ QUICK = dict(sparsity=[0.7, 0.9, 0.98], v=[2, 8], n=[128, 256], mk=[1024, 4096])
 INNER = 20
 TARGET = dict(pair="L8-R8", v=8, sparsity=0.9, mk=4096, n=256)
 # The attention pipeline's P x V (B 8 x H 4, L 4096, head dim 64), where B is narrow and the
-# resident-B kernel serves: timed with each kernel forced and with the automatic choice.
+# resident-B kernel serves: timed with each kernel forced and with the automatic and tuned choices.
 PV = dict(bh=32, mk=4096, n=64, v=8, sparsity=[0.9, 0.95], pairs=[(8, 8), (16, 8), (8, 4)])
 KERNEL_CHOICES = ("gather", "resident", "dense", "auto", "tuned")
 
