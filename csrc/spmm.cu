@@ -497,7 +497,7 @@ __global__ void hold(uint64_t ns) {
 
 // MAGICUBE_SPMM_KERNEL=tuned, as cuDNN's benchmark mode: the first call of a problem (its key:
 // device, precisions, shapes, V, BH, stored slots, longest row, row bytes, copy width, output type)
-// times each of `ways` by `run` and remembers the fastest, which later calls run without timing;
+// times each of the ways `candidates()` lists by `run` and remembers the fastest, which later calls run without timing;
 // every way gives the same bits. Each way is called once (attributes, workspace), then timed twice
 // over five back-to-back calls queued behind `hold` (CUDA events on the caller's stream), its best
 // time counting: timed as called, the calls' times held the host's launch path, longest for the
@@ -506,8 +506,8 @@ __global__ void hold(uint64_t ns) {
 // takes the automatic choice there, unremembered.
 using TuneKey = std::array<int64_t, 14>;
 
-template <class Run>
-Choice tuned_choice(const TuneKey& key, const std::vector<Choice>& ways, cudaStream_t stream, Run&& run) {
+template <class Candidates, class Run>
+Choice tuned_choice(const TuneKey& key, cudaStream_t stream, Candidates&& candidates, Run&& run) {
   static std::mutex mutex;
   static std::map<TuneKey, Choice> known;
   std::lock_guard<std::mutex> lock(mutex);
@@ -520,6 +520,7 @@ Choice tuned_choice(const TuneKey& key, const std::vector<Choice>& ways, cudaStr
     Event() { C10_CUDA_CHECK(cudaEventCreate(&e)); }
     ~Event() { C10_CUDA_CHECK_WARN(cudaEventDestroy(e)); }
   } start, stop;
+  const std::vector<Choice> ways = candidates();
   for (const Choice way : ways) run(way);
   Choice best = ways.front();
   float best_ms = std::numeric_limits<float>::infinity();
@@ -680,15 +681,18 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   };
   if (choice == Choice::kTuned) {
     // The ways that differ here: the gather kernel, stacked or not, the resident-B kernel and the
-    // dense path, where each applies.
-    std::vector<Choice> ways{Choice::kGather};
-    if (fast && a_bits >= 12 && v == 2) ways.push_back(Choice::kStacked);
-    if (fast && b_bits != 16) ways.push_back(Choice::kResident);
-    const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits, bh, false);
-    if (d.applies() && d.fits(bh)) ways.push_back(Choice::kDense);
+    // dense path, where each applies (listed only where a problem is tuned, not on every call).
+    auto candidates = [&] {
+      std::vector<Choice> ways{Choice::kGather};
+      if (fast && a_bits >= 12 && v == 2) ways.push_back(Choice::kStacked);
+      if (fast && b_bits != 16) ways.push_back(Choice::kResident);
+      const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits, bh, false);
+      if (d.applies() && d.fits(bh)) ways.push_back(Choice::kDense);
+      return ways;
+    };
     const TuneKey key{b.get_device(), a_bits, a_signed, b_bits, m, n, k, v, bh, nnz_pad, longest_row, row_bytes, fast,
                       p.out_int64};
-    choice = tuned_choice(key, ways, stream, run);
+    choice = tuned_choice(key, stream, candidates, run);
   }
   run(choice);
   return out;
