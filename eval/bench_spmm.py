@@ -1,6 +1,6 @@
 """SpMM kernel benchmark: every precision of the SR-BCRS kernels against dense and sparse baselines.
 
-    python -m magicube.eval.bench_spmm [--quick] [--kernel auto|tuned] [--out DIR]
+    python -m magicube.eval.bench_spmm [--quick] [--kernel auto|tuned] [--ways] [--out DIR]
 
 Sweeps sparsity, vector length V, N and M = K; times each kernel (fp16 output, dequantization
 fused) with CUDA events after warm-up (back-to-back calls replayed from a CUDA graph, L2 warm)
@@ -14,9 +14,12 @@ project's fp16 SR-BCRS kernel and cuSPARSE fp16 CSR SpMM (`to_sparse_csr() @ den
 attention pipeline's P x V (32 batch x heads, M = K = 4096, N = 64), the narrow product the
 resident-B kernel serves, with each SpMM kernel forced and with the automatic and tuned choices,
 against cuBLAS fp16 bmm. The integer SpMM picks its way by its rules' estimates, or with `--kernel tuned`
-by timing the ways at each problem's first call (MAGICUBE_SPMM_KERNEL=tuned). Writes
-spmm[_quick][_tuned]_<device>.json and a plot of speedup over cuBLAS against sparsity (one panel
-per V).
+by timing the ways at each problem's first call (MAGICUBE_SPMM_KERNEL=tuned). With `--ways` every
+integer cell also times each way forced (`ways_of`) and checks that their outputs agree bit for
+bit: the summary then says, per pair, how much more time the choice took than the fastest way
+(the check of the rules' estimates on the GPU at hand). Writes
+spmm[_quick][_tuned][_ways]_<device>.json and a plot of speedup over cuBLAS against sparsity (one
+panel per V).
 """
 
 from __future__ import annotations
@@ -54,6 +57,35 @@ def gathered_bytes(kernel: str, m: int, k: int, n: int, v: int, density: float) 
     return m * k * density / v * n * b_bits / 8
 
 
+def ways_of(a_bits: int, b_bits: int, v: int) -> list[str]:
+    """The ways MAGICUBE_SPMM_KERNEL can force on an integer pair at V v: the gather kernel, its
+    stacked form (12- and 16-bit A at V 2), the resident-B kernel (8- and 4-bit B) and the dense
+    path. Where a forced way does not apply to a problem (the resident kernel's slice of B past
+    shared memory, products past int32 on the dense path) the op runs its rules' choice instead."""
+    ways = ["gather"]
+    if a_bits >= 12 and v == 2:
+        ways.append("stacked")
+    if b_bits != 16:
+        ways.append("resident")
+    return ways + ["dense"]
+
+
+def _time_ways(spmm, a_bits: int, b_bits: int, v: int, reps: int) -> dict:
+    """Each way of `ways_of` forced on `spmm`: its time (ms) and whether every way's output equals
+    the one the current choice gives."""
+    saved = os.environ.get("MAGICUBE_SPMM_KERNEL")
+    chosen = spmm()
+    times, equal = {}, True
+    try:
+        for way in ways_of(a_bits, b_bits, v):
+            os.environ["MAGICUBE_SPMM_KERNEL"] = way
+            equal &= torch.equal(spmm(), chosen)
+            times[way] = _time(spmm, reps)
+    finally:
+        _restore_kernel(saved)
+    return dict(ways=times, ways_equal=equal)
+
+
 def _time(fn, reps, graph=True):
     """Median time (ms) of one fn() call.
 
@@ -79,8 +111,9 @@ def _quantized_spmm(cp, emask, bh: int, n: int, ab: int, bb: int, g):
                                                 True, bb, torch.float16, cp.longest_row)
 
 
-def run(cfg, reps: int, log=print, checkpoint=None):
-    """Time every kernel over the sweep; `checkpoint(records)` after each size (largest first)."""
+def run(cfg, reps: int, log=print, checkpoint=None, ways: bool = False):
+    """Time every kernel over the sweep (with `ways`, each integer pair's ways forced as well);
+    `checkpoint(records)` after each size (largest first)."""
     ops = torch.ops.magicube_cuda
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
@@ -119,9 +152,10 @@ def run(cfg, reps: int, log=print, checkpoint=None):
                     flops = 2 * m * n * k * density
                     rec = dict(m=m, k=k, n=n, v=v, sparsity=sp, density=density, cublas_fp16_ms=dense_ms)
 
-                    def add(kernel, ms):
+                    def add(kernel, ms, **extra):
                         gathered = gathered_bytes(kernel, m, k, n, v, density)
-                        extra = {} if gathered is None else dict(gather_tbs=gathered / ms / 1e9)
+                        if gathered is not None:
+                            extra["gather_tbs"] = gathered / ms / 1e9
                         records.append(dict(rec, kernel=kernel, ms=ms, tops=flops / ms / 1e9,
                                             speedup=dense_ms / ms, **extra))
 
@@ -134,7 +168,8 @@ def run(cfg, reps: int, log=print, checkpoint=None):
                     csr = dense_a.to_sparse_csr()
                     add("cusparse_fp16", _time(lambda: csr @ b16, reps, graph=False))
                     for ab, bb in PAIRS:
-                        add(f"L{ab}-R{bb}", _time(_quantized_spmm(cp, emask, 1, n, ab, bb, g), reps))
+                        spmm = _quantized_spmm(cp, emask, 1, n, ab, bb, g)
+                        add(f"L{ab}-R{bb}", _time(spmm, reps), **(_time_ways(spmm, ab, bb, v, reps) if ways else {}))
                     row = [r for r in records if r.get("v") == v and r.get("sparsity") == sp and r["m"] == m
                            and r["n"] == n]
                     log(f"  N={n} V={v} s={sp}: " + ", ".join(
@@ -211,6 +246,31 @@ def summarize(records):
     pv = [r for r in records if r.get("section") == "attention_pv" and r.get("sparsity", 0.9) == 0.9]
     if pv:
         out["attention_pv_sparsity_0.9_us"] = {r["kernel"]: r["ms"] * 1e3 for r in pv}
+    timed_ways = [r for r in sparse if "ways" in r]
+    if timed_ways:
+        out["choice_over_fastest_way"] = choice_over_fastest_way(timed_ways)
+    return out
+
+
+def choice_over_fastest_way(records):
+    """Per pair, over the cells whose ways were timed (`--ways`): the geometric mean of the choice's
+    time over the fastest forced way's, over every cell and at sparsity >= 0.7, the worst cell, and
+    the count of cells whose ways' outputs differed (0 unless a kernel is wrong)."""
+    def geomean(xs):
+        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+    out = {}
+    for kern in sorted({r["kernel"] for r in records}):
+        cells = [r for r in records if r["kernel"] == kern]
+        over = [r["ms"] / min(r["ways"].values()) for r in cells]
+        worst = max(range(len(cells)), key=over.__getitem__)
+        w = cells[worst]
+        out[kern] = dict(geomean=geomean(over),
+                         geomean_sparsity_ge_0_7=geomean([x for x, r in zip(over, cells) if r["sparsity"] >= 0.7]),
+                         worst=over[worst],
+                         worst_cell=dict(m=w["m"], n=w["n"], v=w["v"], sparsity=w["sparsity"], ms=w["ms"],
+                                         ways=w["ways"]),
+                         unequal_cells=sum(not r["ways_equal"] for r in cells))
     return out
 
 
@@ -250,6 +310,8 @@ def main(argv=None) -> int:
     def kernel_arg(ap):
         ap.add_argument("--kernel", choices=("auto", "tuned"), default="auto",
                         help="the integer SpMM's way: by its rules (auto) or timed at a problem's first call (tuned)")
+        ap.add_argument("--ways", action="store_true",
+                        help="also time each way forced in every integer cell: the choice against the fastest way")
 
     args = kernel_bench_args("bench_spmm", __doc__, argv, quick="a small subset (the target shape included)",
                              reps=15, reps_help="timed replays of %d back-to-back calls" % INNER, extra=kernel_arg)
@@ -260,11 +322,12 @@ def main(argv=None) -> int:
     cfg = QUICK if args.quick else FULL
     print(f"bench_spmm on {env.get('device')}, torch {env['torch']}, CUDA {env['cuda']}", flush=True)
     out = Path(args.out)
-    name = f"spmm{'_quick' if args.quick else ''}{'_tuned' if args.kernel == 'tuned' else ''}_{device_slug(env)}"
+    name = "_".join(["spmm"] + ["quick"] * args.quick + ["tuned"] * (args.kernel == "tuned") + ["ways"] * args.ways
+                    + [device_slug(env)])
 
     def save(records, complete=False):
         save_json(out / f"{name}.json", dict(environment=env, config=cfg, quick=args.quick, kernel=args.kernel,
-                                             complete=complete,
+                                             ways=args.ways, complete=complete,
                                              timing=f"median of {args.reps} CUDA-graph replays of {INNER} calls",
                                              summary=summarize(records), records=records))
 
@@ -272,7 +335,7 @@ def main(argv=None) -> int:
     saved = os.environ.get("MAGICUBE_SPMM_KERNEL")
     os.environ["MAGICUBE_SPMM_KERNEL"] = args.kernel
     try:
-        records = run(cfg, args.reps, log=log, checkpoint=save)
+        records = run(cfg, args.reps, log=log, checkpoint=save, ways=args.ways)
     finally:
         _restore_kernel(saved)
     records += run_pv(args.reps, log=log)

@@ -10,7 +10,7 @@ from magicube.eval.timing import device_slug
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device would start the benchmark")
 @pytest.mark.parametrize("bench", [bench_spmm, bench_sddmm, bench_attention], ids=lambda m: m.__name__)
 def test_kernel_benchmarks_say_they_need_a_gpu(bench, tmp_path, capsys):
-    assert bench.main(["--quick", "--out", str(tmp_path)]) == 2
+    assert bench.main(["--quick", "--out", str(tmp_path)] + (["--ways"] if bench is bench_spmm else [])) == 2
     name = bench.__name__.rsplit(".", 1)[1]
     assert f"{name}: needs a CUDA device" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
@@ -96,3 +96,39 @@ def test_attention_summary_reports_the_targets_gather_rate():
     assert abs(target["speedup_vs_flash_kernel_only"] - 0.29 / 0.1526) < 1e-12
     # The target is the random mask's: a run on another mask reports none.
     assert "target" not in bench_attention.summarize([dict(r, mask="structured") for r in records])
+
+
+def test_spmm_ways_are_those_that_apply_to_the_pair():
+    assert bench_spmm.ways_of(16, 8, 2) == ["gather", "stacked", "resident", "dense"]
+    assert bench_spmm.ways_of(12, 4, 4) == ["gather", "resident", "dense"]
+    assert bench_spmm.ways_of(16, 16, 2) == ["gather", "stacked", "dense"]
+    assert bench_spmm.ways_of(8, 8, 8) == ["gather", "resident", "dense"]
+
+
+def test_spmm_summary_weighs_the_choice_against_the_fastest_way():
+    cell = dict(m=4096, k=4096, n=256, v=2, density=0.3, speedup=1.0)
+    records = [
+        # The choice took the fastest way, then 1.5x it where the dense path was faster, then 1.2x
+        # at sparsity 0.5 (outside the >= 0.7 mean), where one way's output differed.
+        dict(cell, sparsity=0.9, kernel="L8-R8", ms=0.010, ways=dict(gather=0.010, resident=0.012, dense=0.020),
+             ways_equal=True),
+        dict(cell, sparsity=0.7, kernel="L8-R8", ms=0.015, ways=dict(gather=0.015, resident=0.016, dense=0.010),
+             ways_equal=True),
+        dict(cell, sparsity=0.5, kernel="L8-R8", ms=0.024, ways=dict(gather=0.024, resident=0.030, dense=0.020),
+             ways_equal=False),
+        dict(cell, sparsity=0.9, kernel="L16-R16", ms=0.020, ways=dict(gather=0.020, stacked=0.021, dense=0.030),
+             ways_equal=True),
+        dict(cell, sparsity=0.9, kernel="cublas_fp16", ms=0.010),
+    ]
+    choice = bench_spmm.summarize(records)["choice_over_fastest_way"]
+    assert set(choice) == {"L8-R8", "L16-R16"}
+    l8 = choice["L8-R8"]
+    assert l8["geomean"] == pytest.approx((1.5 * 1.2) ** (1 / 3))
+    assert l8["geomean_sparsity_ge_0_7"] == pytest.approx(1.5**0.5)
+    assert l8["worst"] == pytest.approx(1.5)
+    assert (l8["worst_cell"]["sparsity"], l8["worst_cell"]["ways"]["dense"]) == (0.7, 0.010)
+    assert l8["unequal_cells"] == 1
+    assert choice["L16-R16"]["geomean"] == pytest.approx(1.0) and choice["L16-R16"]["unequal_cells"] == 0
+    # A sweep without --ways has no such summary.
+    plain = [{k: x for k, x in r.items() if k not in ("ways", "ways_equal")} for r in records]
+    assert "choice_over_fastest_way" not in bench_spmm.summarize(plain)
