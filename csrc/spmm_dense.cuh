@@ -100,78 +100,97 @@ struct ExpandParams {
 constexpr int kBTile = 64;
 constexpr int kBTileBytes = kBTile * (kBTile + 1) * 4;
 
-// The V rows of every plane of G vector rows x strip of A, for one batch x head: built in shared
-// memory (zeros, then the kept values scattered by column) and written out with 16-byte stores, so
-// the global writes are whole lines however sparse the row. The strip holds each value's plane
-// bytes side by side, which for two planes are its 16-bit container as stored (low byte first, see
-// the file comment): each value is one shared store, and the copy out splits the planes apart
-// (H200, M = K 1024-4096, the forced dense path: 0.95-0.98x the time with 12- and 16-bit A against
-// a store per plane, with the scatter's shared address and value bits below). Each of the G rows
-// has a team of the CTA's threads. Slots are read in storage order (no ascending columns assumed);
-// a row wider than the strip is read once per strip. A thread takes four consecutive slots of one
-// row of a 32-slot block (their values are adjacent, as are their columns), kUnroll such quads with
-// all their loads issued before any store. The kernel was bound by instruction issue (Nsight
-// Compute, M = K = 4096: some 0.7 warp instructions a scheduler a cycle, before the single stores;
-// since, it moves some 3.4-3.5 TB/s there on an H200, V 2, sparsity 0.7), hence the planes and G as
-// compile-time counts (counted at run time, the planes put loops in the scatter and took 60-62
-// registers, and the kernel 1.1-1.5x the time; G, 1.0-1.1x) and the groups where there are CTAs to
-// spare (a row of V 2 at sparsity 0.7 fills 2.4 of a CTA's 4 quads a thread, and the CTA's fixed
-// work is paid once a group).
-template <int AB, bool AS, int G>
-__device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* strip, int group, int bh) {
-  constexpr int kUnroll = 4, kPlanes = kPlanesOf<AB>, kTeam = kExpandThreads / G;
+// The kept values of one vector row of V rows, scattered by column into its rows of the strip
+// (row_strip, rows kPlanes * cols bytes apart). A thread takes a quad: four consecutive slots of a
+// 32-slot block in every row of the vector (item = 8 b + j: slots 32 b + 4 j .. + 3), whose columns
+// it reads and tests against the strip once for all V rows (row i's values, (b V + i) 32 + 4 j on,
+// are adjacent too); 32 values' loads are issued before any store. Against a quad a row, the
+// scatter's instructions a value fell from about 11 to 7.5 at V 2, 4.3 at V 4 and 5.4 at V 8
+// (sm_90a), and the forced dense path took 0.988x the time (H200, M = K 1024-4096, N 256, V 2 / 4
+// / 8, sparsity 0.5 / 0.7 / 0.9, the seven pairs): 0.95x at M = K = 4096, V 8 (0.84-0.94x at
+// sparsity 0.5), 0.985x at 4096, V 2, and 1.007x at 2048, V 2 (up to 1.04x, where rows are short).
+template <int AB, bool AS, int V, int kTeam>
+__device__ __forceinline__ void scatter_row(const ExpandParams& p, const uint8_t* a, int start, int items, int lane,
+                                            uint32_t row_strip, int c0, int cols) {
+  constexpr int kUnroll = 8 / V, kPlanes = kPlanesOf<AB>;
   using Q = Quad<AB>;
-  const int c0 = blockIdx.y * p.strip_cols;
-  const int cols = min(p.strip_cols, p.k_pad - c0);
-  int4* strip16 = reinterpret_cast<int4*>(strip);
-  for (int i = threadIdx.x; i < kPlanes * G * p.v * p.strip_cols / 16; i += kExpandThreads)
-    strip16[i] = make_int4(0, 0, 0, 0);
-
-  // Block b of the row holds V x 32 values row-major, so quad item = (b * V + i) * 8 + j covers
-  // slots 32 b + 4 j .. + 3 of row i, values (b * V + i) * 32 + 4 j on.
-  // With G 1 the team is the whole CTA, and its row below p.vrows (expand_kernel's bound).
-  const int team = G == 1 ? 0 : threadIdx.x / kTeam, lane = G == 1 ? threadIdx.x : threadIdx.x % kTeam;
-  const int vrow = G * group + team;
-  const bool in_rows = G == 1 || vrow < p.vrows;
-  const uint8_t* a = p.a + bh * p.a_bh_bytes;
-  const int start = in_rows ? p.row_ptr[2 * vrow] : 0;
-  const int items = in_rows ? (p.row_ptr[2 * vrow + 1] - start + 31) / 32 * p.v * 8 : 0;
-  const int v_shift = __ffs(p.v) - 1;
   using Bytes = std::conditional_t<kPlanes == 2, uint16_t, uint8_t>;  // a value's plane bytes
-  // Through a shuffle, the strip's address stays in a register: ptxas otherwise recomputes it (S2R,
-  // MOV, LEA) before each of the scatter's stores.
-  const uint32_t team_strip = __shfl_sync(~0u, smem_addr(strip), 0) + team * p.v * p.strip_cols * kPlanes;
-  __syncthreads();
+  const uint32_t row_step = kPlanes * p.strip_cols;
   for (int base = 0; base < items; base += kUnroll * kTeam) {
     int4 col[kUnroll];
-    typename Q::Word x[kUnroll];
+    typename Q::Word x[kUnroll][V];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int item = base + u * kTeam + lane;
       col[u] = make_int4(-1, -1, -1, -1);
       if (item < items) {
-        col[u] = *reinterpret_cast<const int4*>(p.col_idx + start + 32 * ((item >> 3) >> v_shift) + 4 * (item & 7));
-        x[u] = Q::load(a, static_cast<int64_t>(start) * p.v + 4 * item);
+        col[u] = *reinterpret_cast<const int4*>(p.col_idx + start + 4 * item);
+        const int64_t e = static_cast<int64_t>(start) * V + 32 * V * (item >> 3) + 4 * (item & 7);
+#pragma unroll
+        for (int i = 0; i < V; ++i) x[u][i] = Q::load(a, e + 32 * i);
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int item = base + u * kTeam + lane;
       if (item >= items) break;
-      const uint32_t row_strip = team_strip + ((item >> 3) & (p.v - 1)) * p.strip_cols * kPlanes;
       // As unsigned, the columns outside the strip (below c0 too) are at least `cols`.
       const unsigned c[4] = {static_cast<unsigned>(col[u].x - c0), static_cast<unsigned>(col[u].y - c0),
                              static_cast<unsigned>(col[u].z - c0), static_cast<unsigned>(col[u].w - c0)};
 #pragma unroll
       for (int j = 0; j < 4; ++j)
         if (c[j] < static_cast<unsigned>(cols)) {
-          // The store keeps the low bytes: 8- and 16-bit values fill them as they are, 4-bit ones
-          // are extended.
-          const uint32_t bits = AB == 8 * kPlanes ? Q::low(x[u], j) : Q::template value<AS>(x[u], j);
-          st_shared<Bytes>(row_strip + kPlanes * c[j], bits);
+          const uint32_t at = row_strip + kPlanes * c[j];
+#pragma unroll
+          for (int i = 0; i < V; ++i) {
+            // The store keeps the low bytes: 8- and 16-bit values fill them as they are, 4-bit
+            // ones are extended.
+            const uint32_t bits = AB == 8 * kPlanes ? Q::low(x[u][i], j) : Q::template value<AS>(x[u][i], j);
+            st_shared<Bytes>(at + i * row_step, bits);
+          }
         }
     }
   }
+}
+
+// The V rows of every plane of G vector rows x strip of A, for one batch x head: built in shared
+// memory (zeros, then the kept values scattered by column: scatter_row) and written out with
+// 16-byte stores, so the global writes are whole lines however sparse the row. The strip holds
+// each value's plane bytes side by side, which for two planes are its 16-bit container as stored
+// (low byte first, see the file comment): each value is one shared store, and the copy out splits
+// the planes apart (H200, M = K 1024-4096, the forced dense path: 0.95-0.98x the time with 12- and
+// 16-bit A against a store per plane, with the scatter's shared address and value bits below).
+// Each of the G rows has a team of the CTA's threads. Slots are read in storage order (no
+// ascending columns assumed); a row wider than the strip is read once per strip. The kernel was
+// bound by instruction issue (Nsight Compute, M = K = 4096: some 0.7 warp instructions a scheduler
+// a cycle, before the single stores; since, it moves some 3.4-3.5 TB/s there on an H200, V 2,
+// sparsity 0.7), hence the planes, V and G as compile-time counts (counted at run time, the planes
+// put loops in the scatter and took 60-62 registers, and the kernel 1.1-1.5x the time; G,
+// 1.0-1.1x) and the groups where there are CTAs to spare (a row of V 2 at sparsity 0.7 gives each
+// of a CTA's threads 1.2 quads of the 4 a pass takes, and the CTA's fixed work is paid once a group).
+template <int AB, bool AS, int G>
+__device__ __forceinline__ void densify_strip(const ExpandParams& p, int8_t* strip, int group, int bh) {
+  constexpr int kPlanes = kPlanesOf<AB>, kTeam = kExpandThreads / G;
+  const int c0 = blockIdx.y * p.strip_cols;
+  const int cols = min(p.strip_cols, p.k_pad - c0);
+  int4* strip16 = reinterpret_cast<int4*>(strip);
+  for (int i = threadIdx.x; i < kPlanes * G * p.v * p.strip_cols / 16; i += kExpandThreads)
+    strip16[i] = make_int4(0, 0, 0, 0);
+
+  // With G 1 the team is the whole CTA, and its row below p.vrows (expand_kernel's bound).
+  const int team = G == 1 ? 0 : threadIdx.x / kTeam, lane = G == 1 ? threadIdx.x : threadIdx.x % kTeam;
+  const int vrow = G * group + team;
+  const bool in_rows = G == 1 || vrow < p.vrows;
+  const uint8_t* a = p.a + bh * p.a_bh_bytes;
+  const int start = in_rows ? p.row_ptr[2 * vrow] : 0;
+  const int items = in_rows ? (p.row_ptr[2 * vrow + 1] - start + 31) / 32 * 8 : 0;
+  // Through a shuffle, the strip's address stays in a register: ptxas otherwise recomputes it (S2R,
+  // MOV, LEA) before each of the scatter's stores.
+  const uint32_t row_strip = __shfl_sync(~0u, smem_addr(strip), 0) + team * p.v * p.strip_cols * kPlanes;
+  __syncthreads();
+  if (p.v == 2) scatter_row<AB, AS, 2, kTeam>(p, a, start, items, lane, row_strip, c0, cols);
+  else if (p.v == 4) scatter_row<AB, AS, 4, kTeam>(p, a, start, items, lane, row_strip, c0, cols);
+  else scatter_row<AB, AS, 8, kTeam>(p, a, start, items, lane, row_strip, c0, cols);
   __syncthreads();
 
   // Short as it is, this kernel was bound by instruction issue (at M = K = 4096 and 2 or 3 CTAs of
