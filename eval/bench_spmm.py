@@ -24,8 +24,8 @@ panel per V).
 
 from __future__ import annotations
 
-import math
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -229,7 +229,7 @@ def summarize(records):
     for kern in kernels:
         xs = [r["speedup"] for r in sparse if r["kernel"] == kern and r["sparsity"] >= 0.7]
         if xs:
-            geo[kern] = math.exp(sum(math.log(x) for x in xs) / len(xs))
+            geo[kern] = statistics.geometric_mean(xs)
     out["geomean_speedup_vs_cublas_fp16_sparsity_ge_0.7"] = geo
     t = [r for r in sparse if r["v"] == TARGET["v"] and r["sparsity"] == TARGET["sparsity"]
          and r["m"] == TARGET["mk"] and r["n"] == TARGET["n"]]
@@ -257,17 +257,15 @@ def choice_over_fastest_way(records):
     """Per pair, over the cells whose ways were timed (`--ways`): the geometric mean of the choice's
     time over the fastest forced way's, over every cell and at sparsity >= 0.7, the worst cell, and
     the count of cells whose ways' outputs differed (0 unless a kernel is wrong)."""
-    def geomean(xs):
-        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
-
     out = {}
     for kern in sorted({r["kernel"] for r in records}):
         cells = [r for r in records if r["kernel"] == kern]
         over = [r["ms"] / min(r["ways"].values()) for r in cells]
         worst = max(range(len(cells)), key=over.__getitem__)
         w = cells[worst]
-        out[kern] = dict(geomean=geomean(over),
-                         geomean_sparsity_ge_0_7=geomean([x for x, r in zip(over, cells) if r["sparsity"] >= 0.7]),
+        dense_enough = [x for x, r in zip(over, cells) if r["sparsity"] >= 0.7]
+        out[kern] = dict(geomean=statistics.geometric_mean(over),
+                         geomean_sparsity_ge_0_7=statistics.geometric_mean(dense_enough) if dense_enough else None,
                          worst=over[worst],
                          worst_cell=dict(m=w["m"], n=w["n"], v=w["v"], sparsity=w["sparsity"], ms=w["ms"],
                                          ways=w["ways"]),
