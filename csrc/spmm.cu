@@ -35,10 +35,10 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& 
 }
 
 // MAGICUBE_SPMM_KERNEL forces a kernel where it applies (tests, benchmarks): gather, stacked (the
-// gather kernel, stacking 16-bit A's planes wherever it can: launch_fast), resident (the resident-B
-// kernel), dense (the dense path) or dense_wgmma (the dense path, and our GEMM on wgmma wherever it
-// runs: Hopper); auto, the default, lets the rules below pick; tuned times the ways that apply on a
-// problem's first call and runs the fastest from then on (tuned_choice).
+// gather kernel, stacking 16-bit A's planes, or 12-bit A's digits, wherever it can: launch_fast),
+// resident (the resident-B kernel), dense (the dense path) or dense_wgmma (the dense path, and our
+// GEMM on wgmma wherever it runs: Hopper); auto, the default, lets the rules below pick; tuned times
+// the ways that apply on a problem's first call and runs the fastest from then on (tuned_choice).
 enum class Choice { kAuto, kTuned, kGather, kStacked, kResident, kDense, kDenseWgmma };
 
 bool forces_dense(Choice choice) { return choice == Choice::kDense || choice == Choice::kDenseWgmma; }
@@ -65,7 +65,7 @@ Choice kernel_choice() {
 // kernel resident during the gathers took the L1 that cp.async.ca reuses (4-bit B up to 35 %
 // slower).
 template <int AB, bool AS, int BB, bool FAST, int TB = magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes,
-          bool STACK = false>
+          int STACK = 0>
 void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream) {
   const int64_t tiles = (p.row_bytes + TB - 1) / TB;
   MAGICUBE_CHECK(tiles <= 65535 && vrows <= INT32_MAX, "spmm: N or M too large");
@@ -81,15 +81,25 @@ void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t strea
 // 0.90-0.95x, L16-R8 0.92-0.94x (wide tile); rows of one block (M = K = 1024, sparsity 0.98)
 // 1.00-1.09x, and 8-bit B's narrow tile, whose fold sums two MMAs keep in local memory,
 // 1.01-1.09x at M = K 1024 and 4096. In the sweep, grids of fewer CTAs (M = K 512, and 1024 at N
-// up to 256) took up to 1.10x (kernel_checks.md, forty-sixth round).
+// up to 256) took up to 1.10x (kernel_checks.md, forty-sixth round). 12-bit A stacks its digits at
+// V 4 where the grid holds twelve CTAs an SM or more: there its 80 registers against 110 let six
+// CTAs share an SM, not four, and L12-R4 took 0.85-0.98x the time (0.90x on the geometric mean of
+// 45 cells; H200, gather kernel, BH 1, 4 and 16, M = K 512-4096, N 128-512, sparsity 0.7-0.98,
+// rows of one block too), but on smaller grids, where each CTA's chain of latencies counts, 0.96-
+// 1.20x (1.08x under four CTAs an SM, 1.01x at four to eight; kernel_checks.md, forty-ninth round).
 template <int AB, bool AS, int BB, int TB>
-void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice) {
+void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice,
+                 int64_t a_bits) {
   if constexpr (AB == 16 && !magicube::spmm_detail::Kind<AB, AS, BB, TB>::kLocalSums) {
     const int64_t ctas = vrows * ((p.row_bytes + TB - 1) / TB) * bh;
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    const bool pays = nnz_pad >= 2 * kSlots * vrows && ctas >= 4 * sms;
-    if (p.v == 2 && (choice == Choice::kStacked || (choice != Choice::kGather && pays)))
-      return launch_tiles<AB, AS, BB, true, TB, true>(p, vrows, bh, stream);
+    auto stacks = [&](bool pays) { return choice == Choice::kStacked || (choice != Choice::kGather && pays); };
+    if (p.v == 2 && stacks(nnz_pad >= 2 * kSlots * vrows && ctas >= 4 * sms))
+      return launch_tiles<AB, AS, BB, true, TB, 2>(p, vrows, bh, stream);
+    // 12-bit values: signed, and with 4-bit B only (spmm_cuda's checks).
+    if constexpr (AS && BB == 4)
+      if (p.v == 4 && a_bits == 12 && stacks(ctas >= 12 * sms))
+        return launch_tiles<AB, AS, BB, true, TB, 4>(p, vrows, bh, stream);
   }
   launch_tiles<AB, AS, BB, true, TB>(p, vrows, bh, stream);
 }
@@ -102,12 +112,12 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
 // 188 -> 112 us. The generic copies (rows not on 16 bytes) keep the wide tile.
 template <int AB, bool AS, int BB>
 void launch(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
-            Choice choice) {
+            Choice choice, int64_t a_bits) {
   namespace sd = magicube::spmm_detail;
   if (!fast) return launch_tiles<AB, AS, BB, false>(p, vrows, bh, stream);
   if (p.row_bytes <= sd::kNarrowTileBytes)
-    return launch_fast<AB, AS, BB, sd::kNarrowTileBytes>(p, vrows, bh, nnz_pad, stream, choice);
-  launch_fast<AB, AS, BB, sd::Kind<AB, AS, BB>::kTileBytes>(p, vrows, bh, nnz_pad, stream, choice);
+    return launch_fast<AB, AS, BB, sd::kNarrowTileBytes>(p, vrows, bh, nnz_pad, stream, choice, a_bits);
+  launch_fast<AB, AS, BB, sd::Kind<AB, AS, BB>::kTileBytes>(p, vrows, bh, nnz_pad, stream, choice, a_bits);
 }
 
 // The resident-B kernel, where it applies: 8- or 4-bit B whose rows take 16-byte copies and a
@@ -158,9 +168,9 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
 
 template <int AB, int BB>
 void launch_signed(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
-                   bool a_signed, Choice choice) {
-  if (a_signed) launch<AB, true, BB>(p, vrows, bh, nnz_pad, stream, fast, choice);
-  else launch<AB, false, BB>(p, vrows, bh, nnz_pad, stream, fast, choice);
+                   bool a_signed, Choice choice, int64_t a_bits) {
+  if (a_signed) launch<AB, true, BB>(p, vrows, bh, nnz_pad, stream, fast, choice, a_bits);
+  else launch<AB, false, BB>(p, vrows, bh, nnz_pad, stream, fast, choice, a_bits);
 }
 
 // Which of our GEMMs multiplies the planes where cuBLAS's does not (pick_gemm).
@@ -470,7 +480,7 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
 // against 1.8-2.0 %). A forced dense path never tries it (launch_resident).
 template <int AB, int BB>
 void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
-                 bool a_signed, Choice choice, const std::optional<Dense>& dense) {
+                 int64_t a_bits, bool a_signed, Choice choice, const std::optional<Dense>& dense) {
   if constexpr (BB == 8 || BB == 4) {
     const bool resident_first = 2 * p.row_bytes <= magicube::spmm_detail::kNarrowTileBytes;
     if (!dense || resident_first) {
@@ -480,7 +490,7 @@ void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
     }
   }
   if (dense) return run_dense<AB, BB>(p, *dense, vrows, bh, a_signed, stream);
-  launch_signed<AB, BB>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice);
+  launch_signed<AB, BB>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, a_bits);
 }
 
 // Holds the stream for `ns` nanoseconds, so that the host queues the calls after it before the GPU
@@ -656,7 +666,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   const bool fast = copy_bytes == 16;
   Choice choice = kernel_choice();
   if (fp16) {
-    launch<0, true, 0>(p, vrows, bh, nnz_pad, stream, fast, choice);
+    launch<0, true, 0>(p, vrows, bh, nnz_pad, stream, fast, choice, a_bits);
     return out;
   }
   // One call of the integer pair by `way` (auto: the rules' pick).
@@ -666,17 +676,17 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
     if (d.applies() && (forces_dense(way) || (way == Choice::kAuto && dense_pays(d, p, bh, nnz_pad))))
       dense = Dense{d, col_idx, out};
     if (a_bits == 8 && b_bits == 8) {
-      launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, fast, a_signed, way, dense);
+      launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, fast, a_bits, a_signed, way, dense);
     } else if (a_bits == 4 && b_bits == 4) {
-      launch_pair<4, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed, way, dense);
+      launch_pair<4, 4>(p, vrows, bh, nnz_pad, stream, fast, a_bits, a_signed, way, dense);
     } else if (a_bits >= 12 && b_bits == 8) {
-      launch_pair<16, 8>(p, vrows, bh, nnz_pad, stream, fast, a_signed, way, dense);
+      launch_pair<16, 8>(p, vrows, bh, nnz_pad, stream, fast, a_bits, a_signed, way, dense);
     } else if (a_bits >= 12 && b_bits == 16) {
-      launch_pair<16, 16>(p, vrows, bh, nnz_pad, stream, fast, a_signed, way, dense);
+      launch_pair<16, 16>(p, vrows, bh, nnz_pad, stream, fast, a_bits, a_signed, way, dense);
     } else if (a_bits == 8 && b_bits == 4) {
-      launch_pair<8, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed, way, dense);
+      launch_pair<8, 4>(p, vrows, bh, nnz_pad, stream, fast, a_bits, a_signed, way, dense);
     } else {
-      launch_pair<16, 4>(p, vrows, bh, nnz_pad, stream, fast, a_signed, way, dense);
+      launch_pair<16, 4>(p, vrows, bh, nnz_pad, stream, fast, a_bits, a_signed, way, dense);
     }
   };
   if (choice == Choice::kTuned) {
@@ -684,7 +694,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
     // dense path, where each applies (listed only where a problem is tuned, not on every call).
     auto candidates = [&] {
       std::vector<Choice> ways{Choice::kGather};
-      if (fast && a_bits >= 12 && v == 2) ways.push_back(Choice::kStacked);
+      if (fast && (a_bits >= 12 && v == 2 || a_bits == 12 && v == 4)) ways.push_back(Choice::kStacked);
       if (fast && b_bits != 16) ways.push_back(Choice::kResident);
       const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits, bh, false);
       if (d.applies() && d.fits(bh)) ways.push_back(Choice::kDense);

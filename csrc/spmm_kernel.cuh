@@ -35,10 +35,13 @@
 // has 8 columns and the vector 2 rows, so its columns take the rows' high planes, their low planes
 // and, for signed A, a column of ones. Signed high planes are offset by 128 to unsigned bytes, and
 // the ones column sums the gathered rows, which undoes the offset: x = 256 (hi + 128) + lo - 32768
-// per gathered row. One MMA a tile instead of two, and half the accumulators. int4 values are
-// widened in registers to 16 * value (a mask, no sign arithmetic) and the exact multiple of 16 is
-// shifted out at the end. The int32 accumulators are folded into int64 every 512 blocks, before any
-// plane product could overflow (a block adds at most 32 * 255 * 255 < 2^21 per plane).
+// per gathered row. One MMA a tile instead of two, and half the accumulators. 12-bit values stack
+// at V 4 as well, as balanced base-256 digits, x = 256 h + l with l = (int8) x and h = (x + 128) >> 8
+// in [-8, 8]: the four rows' high digits and their low ones fill the 8 columns, all signed, with
+// no offset and no ones column. int4 values are widened in registers to 16 * value (a mask, no sign
+// arithmetic) and the exact multiple of 16 is shifted out at the end. The int32 accumulators are
+// folded into int64 every 512 blocks, before any plane product could overflow (a block adds at most
+// 32 * 255 * 255 < 2^21 per plane).
 #pragma once
 
 #include <cstdint>
@@ -86,19 +89,21 @@ struct Params {
 
 // AB/BB: sparse/dense bits (16, 8, 4); 0/0 is the fp16 kernel. AS: sparse values signed. TB: bytes
 // of each gathered dense row per CTA (the gather kernel's tile; see kWideTileBytes and launch).
-// STACK: 16-bit A at V 2, both planes in one MMA (the file comment; the gather kernel only).
-template <int AB, bool AS, int BB, int TB = (BB == 4 ? kNarrowTileBytes : kWideTileBytes), bool STACK = false>
+// STACK: the V at which 16-bit containers put both planes in one MMA (the file comment; the gather
+// kernel only), 0 for two MMAs: 2 for any 16-bit values, 4 for 12-bit ones as balanced digits.
+template <int AB, bool AS, int BB, int TB = (BB == 4 ? kNarrowTileBytes : kWideTileBytes), int STACK = 0>
 struct Kind {
-  static_assert(!STACK || AB == 16, "only 16-bit A stacks its planes");
+  static_assert(STACK == 0 || (AB == 16 && (STACK == 2 || STACK == 4)), "16-bit containers stack at V 2 or 4");
   static constexpr bool kFp16 = AB == 0;
   static constexpr int kABits = AB;
   static constexpr bool kASigned = AS;
   static constexpr int kBBits = BB;
-  static constexpr bool kStacked = STACK;
-  // A's planes in separate MMAs, and whether the top one is a signed operand (stacked planes are
-  // unsigned bytes).
-  static constexpr int kAPlanes = AB == 16 && !STACK ? 2 : 1;
-  static constexpr bool kTopSigned = AS && !STACK;
+  static constexpr bool kStacked = STACK != 0;
+  static constexpr int kStackV = STACK;
+  // A's planes in separate MMAs, and whether the top one is a signed operand (stacked at V 2, planes
+  // are unsigned bytes; at V 4, signed digits).
+  static constexpr int kAPlanes = AB == 16 && !kStacked ? 2 : 1;
+  static constexpr bool kTopSigned = STACK == 0 ? AS : STACK == 4;
   static constexpr int kBPlanes = BB == 16 ? 2 : 1;
   static constexpr int kSparseRowBytes = kFp16 ? 64 : kSlots * AB / 8;
   static constexpr int kTileBytes = TB;
@@ -302,12 +307,24 @@ __device__ __forceinline__ void load_sparse_words(int g, int t, bool row_live, L
   }
 }
 
+// The high digits h = (x + 128) >> 8 of four 12-bit values in two words of 16-bit containers, as
+// signed bytes (the file comment): each container offset to unsigned, whose high byte is then h +
+// 128 (x + 32768 + 128 < 2^16, so no carry crosses into the next container), and 128 taken off.
+__device__ __forceinline__ uint32_t high_digits(uint32_t w0, uint32_t w1) {
+  constexpr uint32_t kOffset = 0x80008000u, kHalf = 0x00800080u;
+  return odd_bytes((w0 ^ kOffset) + kHalf, (w1 ^ kOffset) + kHalf) ^ 0x80808080u;
+}
+
 // The sparse MMA fragment of a block's words for the lane of column g, plane 0 = high byte (or the
 // only plane): int4 widened to 16 * value, 16-bit split into its byte planes or, stacked, the plane
-// of column g (the file comment; the words are row g % 2's).
+// or digit of column g (the file comment; the words are row g % V's).
 template <class K>
 __device__ __forceinline__ void sparse_fragment(const SparseWords<K>& a, int g, uint32_t (&sb)[K::kAPlanes][2]) {
-  if constexpr (K::kStacked) {
+  if constexpr (K::kStackV == 4) {
+    const bool high = g < 4;
+    sb[0][0] = high ? high_digits(a.w[0], a.w[1]) : even_bytes(a.w[0], a.w[1]);
+    sb[0][1] = high ? high_digits(a.w[2], a.w[3]) : even_bytes(a.w[2], a.w[3]);
+  } else if constexpr (K::kStacked) {
     constexpr uint32_t kOffset = K::kASigned ? 0x80808080u : 0u;
     const bool high = g < 2;
     sb[0][0] = high ? odd_bytes(a.w[0], a.w[1]) ^ kOffset : even_bytes(a.w[0], a.w[1]);
@@ -468,10 +485,11 @@ __device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<K
       }
     };
     if constexpr (K::kStacked) {
-      // Columns 2t and 2t + 1 of the sparse operand are lane t's: lane 0 holds the sums of the
-      // rows' high planes, lane 1 of their low planes, lane 2 of the ones column (its even
-      // elements), and lane 0 writes the rows. column(mt, j) is this lane's sum: the int32
-      // accumulator where it is the whole sum (as below), else the int64 total.
+      // Columns 2t and 2t + 1 of the sparse operand are lane t's. At V 2, lane 0 holds the sums of
+      // the rows' high planes, lane 1 of their low planes, lane 2 of the ones column (its even
+      // elements), and lane 0 writes the rows; at V 4, lanes 0 and 1 hold the high digits' sums of
+      // the rows they write, lanes 2 and 3 the low digits'. column(mt, j) is this lane's sum: the
+      // int32 accumulator where it is the whole sum (as below), else the int64 total.
       int64_t y[MT][4];
       auto combine = [&](auto&& column) {
 #pragma unroll
@@ -479,9 +497,13 @@ __device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<K
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             const int64_t high = column(mt, j);
-            const int64_t low = __shfl_down_sync(0xffffffffu, column(mt, j), 1);
-            const int64_t rows = __shfl_down_sync(0xffffffffu, column(mt, j & 2), 2);
-            y[mt][j] = 256 * high + low - (K::kASigned ? 32768 * rows : 0);
+            const int64_t low = __shfl_down_sync(0xffffffffu, column(mt, j), K::kStackV / 2);
+            if constexpr (K::kStackV == 4) {
+              y[mt][j] = 256 * high + low;
+            } else {
+              const int64_t rows = __shfl_down_sync(0xffffffffu, column(mt, j & 2), 2);
+              y[mt][j] = 256 * high + low - (K::kASigned ? 32768 * rows : 0);
+            }
           }
       };
       if (K::kBPlanes == 1 && nblocks < kFlushBlocks) combine([&](int mt, int j) { return r.acc[0][0][mt][j]; });
@@ -501,7 +523,7 @@ __device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<K
   }
 }
 
-template <int AB, bool AS, int BB, bool FAST, int TB, bool STACK>
+template <int AB, bool AS, int BB, bool FAST, int TB, int STACK>
 __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   using K = Kind<AB, AS, BB, TB, STACK>;
   constexpr int kTileBytes = K::kTileBytes;
@@ -619,9 +641,9 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
         }
       }
     } else {
-      // Stacked, the lanes of columns 0-3 read row g % 2.
+      // Stacked, the lanes of columns 0 to 2V - 1 read row g % V.
       SparseWords<K> a;
-      load_sparse_words<K>(K::kStacked ? g & 1 : g, t, K::kStacked ? g < 4 : row_live,
+      load_sparse_words<K>(K::kStacked ? g & (K::kStackV - 1) : g, t, K::kStacked ? g < 2 * K::kStackV : row_live,
                            [&](int off) { return ld_shared_b32(sparse0 + off); },
                            [&](int off) { return ld_shared_v2(sparse0 + off); }, a);
       uint32_t sb[K::kAPlanes][2];

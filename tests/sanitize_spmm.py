@@ -46,7 +46,8 @@ def main() -> int:
     extension.load("spmm")
     bad = 0
     g = torch.Generator().manual_seed(0)
-    # Every way: the gather kernel with 16-bit A's planes stacked (V 2, 16-byte rows), the
+    # Every way: the gather kernel with 16-bit A's planes stacked (V 2, 16-byte rows; 12-bit A's at
+    # V 4), the
     # resident-B kernel (8- and 4-bit B on 16-byte rows) and the dense path (integer operands) run
     # on problems this small only when asked for; on Hopper also the dense path with
     # its wgmma GEMM, whose smaller tile runs here when forced (within one wave, its deeper ring),
@@ -60,25 +61,25 @@ def main() -> int:
         kernels.append("dense_wgmma")
     for kernel in kernels:
         os.environ["MAGICUBE_SPMM_KERNEL"] = kernel
-        for v in (2, 8):
+        for v in (2, 4, 8):
             mask = random_vector_mask(5 * v, 130, v, 0.7, seed=v).mask.clone()
             mask[0] = False
             mask[2] = True
             vm = VectorMask(mask, v)
             p = SRBCRS.from_mask(vm, stride=32)
             # N = 36: misaligned rows (generic copies); N = 48: the narrow tile (8- and 16-bit B);
-            # N = 144: 16-byte copies with a partial tile.
-            for n in (36, 48, 144):
+            # N = 160: 16-byte copies with a partial tile (for every B).
+            for n in (36, 48, 160):
                 for a_bits, b_bits, a_signed in KINDS + [(0, 0, True)]:
                     if not check(g, p, vm.to_dense(), 2, 130, n, v, a_bits, b_bits, a_signed):
                         bad += 1
                         print(f"MISMATCH {kernel} v={v} n={n} a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
-    # The tuned choice: every way that applies runs, timed, before the fastest (V 2, N = 144).
+    # The tuned choice: every way that applies runs, timed, before the fastest (V 2, N = 160).
     os.environ["MAGICUBE_SPMM_KERNEL"] = "tuned"
     vm = random_vector_mask(10, 130, 2, 0.7, seed=2)
     p = SRBCRS.from_mask(vm, stride=32)
     for a_bits, b_bits, a_signed in KINDS:
-        if not check(g, p, vm.to_dense(), 2, 130, 144, 2, a_bits, b_bits, a_signed):
+        if not check(g, p, vm.to_dense(), 2, 130, 160, 2, a_bits, b_bits, a_signed):
             bad += 1
             print(f"MISMATCH tuned: a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
     os.environ["MAGICUBE_SPMM_KERNEL"] = "dense"
@@ -93,16 +94,16 @@ def main() -> int:
                 print(f"MISMATCH dense, batched {bh}: a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
     # A row past the int32 accumulators' fold interval (513 blocks) in the gather kernel: on the
     # narrow tile (N = 48), where 8-bit B keeps the folds in local memory, and with 16-bit A's
-    # planes stacked into one MMA (N = 160: the wide tile for 8- and 16-bit B).
+    # planes stacked into one MMA (N = 160: the wide tile for 8- and 16-bit B), 12-bit A's at V 4.
     os.environ["MAGICUBE_SPMM_KERNEL"] = "stacked"
     k = 32 * 513
     mask = torch.zeros(2, k, dtype=torch.bool)
     mask[1] = True
-    vm = VectorMask(mask, 2)
-    p = SRBCRS.from_mask(vm, stride=32)
-    for a_bits, b_bits, a_signed, n in ((8, 8, True, 48), (16, 8, False, 48), (16, 8, True, 160),
-                                        (16, 16, True, 160), (16, 4, True, 160)):
-        if not check(g, p, vm.to_dense(), 1, k, n, 2, a_bits, b_bits, a_signed):
+    for a_bits, b_bits, a_signed, n, v in ((8, 8, True, 48, 2), (16, 8, False, 48, 2), (16, 8, True, 160, 2),
+                                           (16, 16, True, 160, 2), (16, 4, True, 160, 2), (12, 4, True, 160, 4)):
+        vm = VectorMask(mask, v)
+        p = SRBCRS.from_mask(vm, stride=32)
+        if not check(g, p, vm.to_dense(), 1, k, n, v, a_bits, b_bits, a_signed):
             bad += 1
             print(f"MISMATCH gather, long row: a_bits={a_bits} b_bits={b_bits} signed={a_signed} n={n}")
     torch.cuda.synchronize()

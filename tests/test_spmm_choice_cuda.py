@@ -95,21 +95,28 @@ def test_forced_way_runs(kernels, monkeypatch, way):
     assert _ways_run(8, 8, 8, 0.9, 2048, 64) == {way}
 
 
-# (a_bits, b_bits, V, sparsity, M = K, N, MAGICUBE_SPMM_KERNEL, whether the gather kernel stacks
-# A's planes): by default 16-bit A at V 2 where rows average two blocks or more (here 4) and the
-# grid holds four CTAs an SM or more (1024 here, on GPUs of up to 256 SMs), not on 8-bit B's narrow
-# tile (rows of at most 128 bytes), nor at V 4, nor on rows of one block (sparsity 0.99), nor on a
-# grid of 256 CTAs; `stacked` stacks wherever it can, `gather` never does.
+# (a_bits, b_bits, V, sparsity, M = K, N, MAGICUBE_SPMM_KERNEL, the V at which the gather kernel
+# stacks A's planes, 0 where it does not): by default 16-bit A at V 2 where rows average two blocks
+# or more (here 4) and the grid holds four CTAs an SM or more (1024 here, on GPUs of up to 256 SMs),
+# not on 8-bit B's narrow tile (rows of at most 128 bytes), nor on rows of one block (sparsity
+# 0.99), nor on a grid of 256 CTAs; and 12-bit A at V 4 where the grid holds twelve or more (2048
+# here, on GPUs of up to 170 SMs; not 512), never 16-bit A at V 4. `stacked` stacks wherever it
+# can, `gather` never does.
 STACK_CASES = {
-    "L16-R8-wide": (16, 8, 2, 0.95, 2048, 256, "auto", True),
-    "L16-R16": (16, 16, 2, 0.95, 2048, 128, "auto", True),
-    "L16-R4": (16, 4, 2, 0.95, 2048, 256, "auto", True),
-    "L16-R8-narrow": (16, 8, 2, 0.95, 2048, 128, "auto", False),
-    "L16-R8-v4": (16, 8, 4, 0.95, 2048, 256, "auto", False),
-    "L16-R8-one-block-rows": (16, 8, 2, 0.99, 2048, 256, "auto", False),
-    "L16-R8-few-ctas": (16, 8, 2, 0.9, 512, 256, "auto", False),
-    "L16-R8-few-ctas-stacked": (16, 8, 2, 0.9, 512, 256, "stacked", True),
-    "L16-R8-wide-gather": (16, 8, 2, 0.95, 2048, 256, "gather", False),
+    "L16-R8-wide": (16, 8, 2, 0.95, 2048, 256, "auto", 2),
+    "L16-R16": (16, 16, 2, 0.95, 2048, 128, "auto", 2),
+    "L16-R4": (16, 4, 2, 0.95, 2048, 256, "auto", 2),
+    "L16-R8-narrow": (16, 8, 2, 0.95, 2048, 128, "auto", 0),
+    "L16-R8-v4": (16, 8, 4, 0.95, 2048, 256, "auto", 0),
+    "L16-R4-v4-stacked": (16, 4, 4, 0.95, 2048, 256, "stacked", 0),
+    "L12-R4-v4": (12, 4, 4, 0.98, 4096, 512, "auto", 4),
+    "L12-R4-v4-few-ctas": (12, 4, 4, 0.95, 2048, 256, "auto", 0),
+    "L12-R4-v4-gather": (12, 4, 4, 0.95, 2048, 256, "gather", 0),
+    "L12-R4-v8-stacked": (12, 4, 8, 0.95, 2048, 256, "stacked", 0),
+    "L16-R8-one-block-rows": (16, 8, 2, 0.99, 2048, 256, "auto", 0),
+    "L16-R8-few-ctas": (16, 8, 2, 0.9, 512, 256, "auto", 0),
+    "L16-R8-few-ctas-stacked": (16, 8, 2, 0.9, 512, 256, "stacked", 2),
+    "L16-R8-wide-gather": (16, 8, 2, 0.95, 2048, 256, "gather", 0),
 }
 
 
@@ -117,12 +124,12 @@ STACK_CASES = {
 def test_stacked_planes(kernels, monkeypatch, case):
     """The gather kernel runs, and its instance (the last template argument, STACK) is the one the
     case names."""
-    *shape, way, stacked = case
+    *shape, way, stack = case
     monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", way)
     names = _kernels_run(*shape)
     gathers = [name for name in names if WAY_KERNELS["gather"] in name]
     assert _ways_run(*shape) == {"gather"} and len(gathers) == 1, names
-    assert gathers[0].split(">")[0].endswith("true" if stacked else "false"), gathers
+    assert gathers[0].split(">")[0].endswith(f", {stack}"), gathers
 
 
 # (a_bits, b_bits, V, sparsity, M = K, N, the ways the tuned choice may take): cells where the

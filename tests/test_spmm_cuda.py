@@ -38,13 +38,13 @@ def _hopper() -> bool:
 @pytest.fixture(autouse=True, params=["gather", "stacked", "resident", "dense", "dense_wgmma"])
 def spmm_kernel(request, monkeypatch):
     """Each test of integer operands runs every way the op computes: the gather kernel, with 12-
-    and 16-bit A's planes in two MMAs and (at V 2) stacked into one, which the automatic choice
-    takes on larger problems than these, the resident-B kernel (8- or 4-bit B), which it takes on
-    narrow B, and the dense path, which it takes at low V and sparsity, with its GEMM chosen by size
-    (on problems this small the mma.sync one) and, on Hopper, with the wgmma GEMM forced. Where the
-    one forced does not apply (stacking at V 4 and 8 or on 8-bit B's narrow tile, the resident
-    kernel on dense rows not on 16 bytes or B's slice past shared memory, the dense path past its
-    K) the gather kernel runs."""
+    and 16-bit A's planes in two MMAs and (at V 2, and 12-bit A's as digits at V 4) stacked into
+    one, which the automatic choice takes on larger problems than these, the resident-B kernel (8-
+    or 4-bit B), which it takes on narrow B, and the dense path, which it takes at low V and
+    sparsity, with its GEMM chosen by size (on problems this small the mma.sync one) and, on Hopper,
+    with the wgmma GEMM forced. Where the one forced does not apply (stacking at V 8, 16-bit A's at
+    V 4, or on 8-bit B's narrow tile, the resident kernel on dense rows not on 16 bytes or B's slice
+    past shared memory, the dense path past its K) the gather kernel runs."""
     callspec = getattr(request.node, "callspec", None)
     b_bits = callspec.params.get("b_bits") if callspec else None
     a_bits = callspec.params.get("a_bits") if callspec else None
@@ -143,12 +143,13 @@ def test_dense_expansion_groups(kernels, a_bits, b_bits, a_signed, bh, rows, v):
     _assert_exact(kernels, p, emask, bh, k, n, v, a_bits, a_signed, b_bits, torch.Generator().manual_seed(9))
 
 
-@pytest.mark.parametrize("v, n", [(8, 40), (2, 160)])
+@pytest.mark.parametrize("v, n", [(8, 40), (2, 160), (4, 160)])
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
 def test_range_extremes(kernels, a_bits, b_bits, a_signed, v, n):
     """All values at qmin or qmax: the largest products, the int32 overflow of long rows. N 40 takes
     the generic copies, N 160 the fast ones, where the stacked way puts 16-bit A's planes into one
-    MMA at V 2 (an offset high plane and a column of ones that undoes it)."""
+    MMA at V 2 (an offset high plane and a column of ones that undoes it) and 12-bit A's at V 4
+    (balanced digits, the high ones at -8 and 8)."""
     amin, amax = qrange(a_bits, a_signed)
     bmin, bmax = qrange(b_bits, True)
     bh, rows, k = 2, 3, 2000
@@ -214,15 +215,17 @@ def test_output_row_alignment(kernels, a_bits, b_bits, a_signed, n):
 
 @pytest.mark.parametrize("n", [24, 32, 160])
 @pytest.mark.parametrize("blocks", [511, 512, 513])
-@pytest.mark.parametrize("a_bits, b_bits", [(8, 8), (4, 4), (8, 4), (16, 8), (16, 16), (16, 4)],
-                         ids=["L8-R8", "L4-R4", "L8-R4", "L16-R8", "L16-R16", "L16-R4"])
-def test_fold_boundary(kernels, a_bits, b_bits, blocks, n):
+@pytest.mark.parametrize("a_bits, b_bits, v", [(8, 8, 2), (4, 4, 2), (8, 4, 2), (16, 8, 2), (16, 16, 2), (16, 4, 2),
+                                               (12, 4, 4)],
+                         ids=["L8-R8", "L4-R4", "L8-R4", "L16-R8", "L16-R16", "L16-R4", "L12-R4-V4"])
+def test_fold_boundary(kernels, a_bits, b_bits, v, blocks, n):
     """Rows of 511, 512 and 513 blocks: single-plane results are read from the int32 accumulator
     when no fold happened, from the folded int64 otherwise. N 24 takes the generic copies (rows
     not on 16 bytes), N 32 and 160 the fast ones: the gather kernel's narrow tile, which for 8-bit
     B keeps the folds in local memory, and the wide one for 8- and 16-bit B; the stacked way puts
-    16-bit A's planes into one MMA on both tiles but 8-bit B's narrow one."""
-    k, v = 32 * blocks, 2
+    16-bit A's planes into one MMA on both tiles but 8-bit B's narrow one, and 12-bit A's digits at
+    V 4."""
+    k = 32 * blocks
     mask = torch.zeros(3, k, dtype=torch.bool)
     mask[1] = True
     mask[2, : 32 * 511 + 5] = True
