@@ -86,7 +86,8 @@ void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t strea
 // CTAs share an SM, not four, and L12-R4 took 0.85-0.98x the time (0.90x on the geometric mean of
 // 45 cells; H200, gather kernel, BH 1, 4 and 16, M = K 512-4096, N 128-512, sparsity 0.7-0.98,
 // rows of one block too), but on smaller grids, where each CTA's chain of latencies counts, 0.96-
-// 1.20x (1.08x under four CTAs an SM, 1.01x at four to eight; kernel_checks.md, forty-ninth round).
+// 1.20x (1.08x under four CTAs an SM, 1.01x at four to eight, though the whole sweep's cells at 7.8
+// took 0.93-0.97x; kernel_checks.md, forty-ninth round).
 template <int AB, bool AS, int BB, int TB>
 void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice,
                  int64_t a_bits) {
@@ -694,7 +695,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
     // dense path, where each applies (listed only where a problem is tuned, not on every call).
     auto candidates = [&] {
       std::vector<Choice> ways{Choice::kGather};
-      if (fast && (a_bits >= 12 && v == 2 || a_bits == 12 && v == 4)) ways.push_back(Choice::kStacked);
+      if (fast && ((a_bits >= 12 && v == 2) || (a_bits == 12 && v == 4))) ways.push_back(Choice::kStacked);
       if (fast && b_bits != 16) ways.push_back(Choice::kResident);
       const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits, bh, false);
       if (d.applies() && d.fits(bh)) ways.push_back(Choice::kDense);
