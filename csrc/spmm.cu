@@ -82,12 +82,12 @@ void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t strea
 // 1.00-1.09x, and 8-bit B's narrow tile, whose fold sums two MMAs keep in local memory,
 // 1.01-1.09x at M = K 1024 and 4096. In the sweep, grids of fewer CTAs (M = K 512, and 1024 at N
 // up to 256) took up to 1.10x (kernel_checks.md, forty-sixth round). 12-bit A stacks its digits at
-// V 4 where the grid holds twelve CTAs an SM or more: there its 80 registers against 110 let six
-// CTAs share an SM, not four, and L12-R4 took 0.85-0.98x the time (0.90x on the geometric mean of
-// 45 cells; H200, gather kernel, BH 1, 4 and 16, M = K 512-4096, N 128-512, sparsity 0.7-0.98,
-// rows of one block too), but on smaller grids, where each CTA's chain of latencies counts, 0.96-
-// 1.20x (1.08x under four CTAs an SM, 1.01x at four to eight, though the whole sweep's cells at 7.8
-// took 0.93-0.97x; kernel_checks.md, forty-ninth round).
+// V 4 where the grid holds ten CTAs an SM or more: there its 80 registers against 110 let six CTAs
+// share an SM, not four, and L12-R4 took 0.85-0.98x the time (0.91x on the geometric mean of 89
+// cells; H200, gather kernel, BH 1-16, M = K 512-4096, N 128-512, sparsity 0.7-0.98, rows of one
+// block too), but on smaller grids, where each CTA's chain of latencies counts, 0.96-1.20x (1.07x
+// under four CTAs an SM, 1.01x at four to eight, losing most at sparsity 0.95-0.98; the whole
+// sweep's cells at 7.8 took 0.93-0.97x; kernel_checks.md, forty-ninth round).
 template <int AB, bool AS, int BB, int TB>
 void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice,
                  int64_t a_bits) {
@@ -99,7 +99,7 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
       return launch_tiles<AB, AS, BB, true, TB, 2>(p, vrows, bh, stream);
     // 12-bit values: signed, and with 4-bit B only (spmm_cuda's checks).
     if constexpr (AS && BB == 4)
-      if (p.v == 4 && a_bits == 12 && stacks(ctas >= 12 * sms))
+      if (p.v == 4 && a_bits == 12 && stacks(ctas >= 10 * sms))
         return launch_tiles<AB, AS, BB, true, TB, 4>(p, vrows, bh, stream);
   }
   launch_tiles<AB, AS, BB, true, TB>(p, vrows, bh, stream);

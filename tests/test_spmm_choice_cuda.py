@@ -99,8 +99,8 @@ def test_forced_way_runs(kernels, monkeypatch, way):
 # stacks A's planes, 0 where it does not): by default 16-bit A at V 2 where rows average two blocks
 # or more (here 4) and the grid holds four CTAs an SM or more (1024 here, on GPUs of up to 256 SMs),
 # not on 8-bit B's narrow tile (rows of at most 128 bytes), nor on rows of one block (sparsity
-# 0.99), nor on a grid of 256 CTAs; and 12-bit A at V 4 where the grid holds twelve or more (2048
-# here, on GPUs of up to 170 SMs; not 512), never 16-bit A at V 4. `stacked` stacks wherever it
+# 0.99), nor on a grid of 256 CTAs; and 12-bit A at V 4 where the grid holds ten or more (2048
+# here, on GPUs of up to 204 SMs; not 512), never 16-bit A at V 4. `stacked` stacks wherever it
 # can, `gather` never does.
 STACK_CASES = {
     "L16-R8-wide": (16, 8, 2, 0.95, 2048, 256, "auto", 2),
