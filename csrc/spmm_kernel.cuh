@@ -310,6 +310,7 @@ __device__ __forceinline__ void load_sparse_words(int g, int t, bool row_live, L
 // The high digits h = (x + 128) >> 8 of four 12-bit values in two words of 16-bit containers, as
 // signed bytes (the file comment): each container offset to unsigned, whose high byte is then h +
 // 128 (x + 32768 + 128 < 2^16, so no carry crosses into the next container), and 128 taken off.
+// Exact for any x up to 32639; the op's contract keeps 12-bit containers within [-2048, 2047].
 __device__ __forceinline__ uint32_t high_digits(uint32_t w0, uint32_t w1) {
   constexpr uint32_t kOffset = 0x80008000u, kHalf = 0x00800080u;
   return odd_bytes((w0 ^ kOffset) + kHalf, (w1 ^ kOffset) + kHalf) ^ 0x80808080u;

@@ -50,18 +50,20 @@ def spmm(pattern: SRBCRS, a_values: torch.Tensor, b: torch.Tensor, *, a_bits: in
          a_signed: bool = True, scale_a=None, scale_b=None, out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """C[bh] = A[bh] @ B[bh]: sparse A (SR-BCRS values [BH, nnz_pad*V]) times dense B [BH, K, N].
 
-    Integer inputs come in the containers of `magicube.ops.quant` (int4 packed along N for B);
-    the result is dequantized with scale_a (per row of A) and scale_b (per column of B) to
-    fp16, or returned as the exact int64 accumulator with out_dtype=torch.int64. fp16 inputs
-    take no scales. On CUDA, integer inputs run on one of three ways that give the same bits: the
-    gather kernel, the resident-B kernel (narrow B, many gathers) or, where the mask is dense
-    enough that B would be gathered many times over (low V and sparsity), A and B expanded to byte
-    planes for a dense int8 GEMM (cuBLAS's for one signed plane each on small problems, else the
-    project's own, on wgmma on Hopper); the op picks by estimated time, and the environment
-    variable MAGICUBE_SPMM_KERNEL=gather|stacked|resident|dense|dense_wgmma forces one where it
-    applies (stacked: the gather kernel with 16-bit A's two byte planes in one MMA, at V 2, and
-    12-bit A's two digits at V 4), or MAGICUBE_SPMM_KERNEL=tuned times the ways at a problem's
-    first call and runs the fastest after.
+    Integer inputs come in the containers of `magicube.ops.quant` (int4 packed along N for B),
+    holding values of their bits only (12-bit A's int16 in [-2048, 2047], as `to_container` checks:
+    the kernel that stacks 12-bit A's digits relies on it); the result is dequantized with scale_a
+    (per row of A) and scale_b (per column of B) to fp16, or returned as the exact int64 accumulator
+    with out_dtype=torch.int64. fp16 inputs take no scales. On CUDA, integer inputs run on one of
+    three ways that give the same bits: the gather kernel, the resident-B kernel (narrow B, many
+    gathers) or, where the mask is dense enough that B would be gathered many times over (low V and
+    sparsity), A and B expanded to byte planes for a dense int8 GEMM (cuBLAS's for one signed plane
+    each on small problems, else the project's own, on wgmma on Hopper); the op picks by estimated
+    time, and the environment variable
+    MAGICUBE_SPMM_KERNEL=gather|stacked|resident|dense|dense_wgmma forces one where it applies
+    (stacked: the gather kernel with 16-bit A's two byte planes in one MMA, at V 2, and 12-bit A's
+    two digits at V 4), or MAGICUBE_SPMM_KERNEL=tuned times the ways at a problem's first call and
+    runs the fastest after.
     """
     p = _pattern(pattern, b.device)
     if b.dim() != 3:
