@@ -508,13 +508,13 @@ __global__ void hold(uint64_t ns) {
 
 // MAGICUBE_SPMM_KERNEL=tuned, as cuDNN's benchmark mode: the first call of a problem (its key:
 // device, precisions, shapes, V, BH, stored slots, longest row, row bytes, copy width, output type)
-// times each of the ways `candidates()` lists by `run` and remembers the fastest, which later calls run without timing;
-// every way gives the same bits. Each way is called once (attributes, workspace), then timed twice
-// over five back-to-back calls queued behind `hold` (CUDA events on the caller's stream), its best
-// time counting: timed as called, the calls' times held the host's launch path, longest for the
-// dense path's launches and workspace, and the choice took up to 1.5x the rules' time in small and
-// middle cells (H200). Inside a CUDA graph capture nothing can be timed: a problem not tuned yet
-// takes the automatic choice there, unremembered.
+// times each of the ways `candidates()` lists by `run` and remembers the fastest, which later calls
+// run without timing; every way gives the same bits. Each way is called once (attributes,
+// workspace), then timed twice over five back-to-back calls queued behind `hold` (CUDA events on
+// the caller's stream), its best time counting: timed as called, the calls' times held the host's
+// launch path, longest for the dense path's launches and workspace, and the choice took up to 1.5x
+// the rules' time in small and middle cells (H200). Inside a CUDA graph capture nothing can be
+// timed: a problem not tuned yet takes the automatic choice there, unremembered.
 using TuneKey = std::array<int64_t, 14>;
 
 template <class Candidates, class Run>

@@ -13,10 +13,10 @@ two open speed targets"). Baselines in the same run: cuBLAS fp16, `torch._int_mm
 project's fp16 SR-BCRS kernel and cuSPARSE fp16 CSR SpMM (`to_sparse_csr() @ dense`). Then the
 attention pipeline's P x V (32 batch x heads, M = K = 4096, N = 64), the narrow product the
 resident-B kernel serves, with each SpMM kernel forced and with the automatic and tuned choices,
-against cuBLAS fp16 bmm. The integer SpMM picks its way by its rules' estimates, or with `--kernel tuned`
-by timing the ways at each problem's first call (MAGICUBE_SPMM_KERNEL=tuned). With `--ways` every
-integer cell also times each way forced (`ways_of`) and checks that their outputs agree bit for
-bit: the summary then says, per pair, how much more time the choice took than the fastest way
+against cuBLAS fp16 bmm. The integer SpMM picks its way by its rules' estimates, or with `--kernel
+tuned` by timing the ways at each problem's first call (MAGICUBE_SPMM_KERNEL=tuned). With `--ways`
+every integer cell also times each way forced (`ways_of`) and checks that their outputs agree bit
+for bit: the summary then says, per pair, how much more time the choice took than the fastest way
 (the check of the rules' estimates on the GPU at hand). Writes
 spmm[_quick][_tuned][_ways]_<device>.json and a plot of speedup over cuBLAS against sparsity (one
 panel per V).
@@ -263,9 +263,9 @@ def choice_over_fastest_way(records):
         over = [r["ms"] / min(r["ways"].values()) for r in cells]
         worst = max(range(len(cells)), key=over.__getitem__)
         w = cells[worst]
-        dense_enough = [x for x, r in zip(over, cells) if r["sparsity"] >= 0.7]
+        sparse_cells = [x for x, r in zip(over, cells) if r["sparsity"] >= 0.7]
         out[kern] = dict(geomean=statistics.geometric_mean(over),
-                         geomean_sparsity_ge_0_7=statistics.geometric_mean(dense_enough) if dense_enough else None,
+                         geomean_sparsity_ge_0_7=statistics.geometric_mean(sparse_cells) if sparse_cells else None,
                          worst=over[worst],
                          worst_cell=dict(m=w["m"], n=w["n"], v=w["v"], sparsity=w["sparsity"], ms=w["ms"],
                                          ways=w["ways"]),
