@@ -74,33 +74,42 @@ void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t strea
                               0, stream, p);
 }
 
-// The fast copies' tiles. 16-bit A at V 2 can stack its planes into one MMA (spmm_kernel.cuh),
-// except on 8-bit B's narrow tile, and does where its rows average two blocks or more and the grid
-// holds four CTAs an SM or more. H200, gather kernel, M = K 1024-4096, N 128-512, sparsity 0.7 /
-// 0.9 / 0.98, against two MMAs: L16-R4 and L12-R4 0.85-0.96x the time at M = K = 4096, L16-R16
-// 0.90-0.95x, L16-R8 0.92-0.94x (wide tile); rows of one block (M = K = 1024, sparsity 0.98)
-// 1.00-1.09x, and 8-bit B's narrow tile, whose fold sums two MMAs keep in local memory,
-// 1.01-1.09x at M = K 1024 and 4096. In the sweep, grids of fewer CTAs (M = K 512, and 1024 at N
-// up to 256) took up to 1.10x (kernel_checks.md, forty-sixth round). 12-bit A stacks its digits at
-// V 4 where the grid holds ten CTAs an SM or more: there its 80 registers against 110 let six CTAs
-// share an SM, not four, and L12-R4 took 0.85-0.98x the time (0.91x on the geometric mean of 89
-// cells; H200, gather kernel, BH 1-16, M = K 512-4096, N 128-512, sparsity 0.7-0.98, rows of one
-// block too), but on smaller grids, where each CTA's chain of latencies counts, 0.96-1.20x (1.07x
-// under four CTAs an SM, 1.01x at four to eight, losing most at sparsity 0.95-0.98; the whole
-// sweep's cells at 7.8 took 0.93-0.97x; kernel_checks.md, forty-ninth round).
+// Whether the gather kernel can stack A's planes into one MMA at V v (spmm_kernel.cuh): 16-bit
+// containers at V 2, and at V 4 unsigned values and 12-bit ones (as digits).
+bool can_stack(int64_t a_bits, bool a_signed, int64_t v) {
+  return a_bits >= 12 && (v == 2 || (v == 4 && (!a_signed || a_bits == 12)));
+}
+
+// The fast copies' tiles. 16-bit A at V 2 stacks its planes into one MMA (spmm_kernel.cuh), except
+// on 8-bit B's narrow tile, where its rows average two blocks or more and the grid holds four CTAs
+// an SM or more. H200, gather kernel, M = K 1024-4096, N 128-512, sparsity 0.7 / 0.9 / 0.98,
+// against two MMAs: L16-R4 and L12-R4 0.85-0.96x the time at M = K = 4096, L16-R16 0.90-0.95x,
+// L16-R8 0.92-0.94x (wide tile); rows of one block (M = K = 1024, sparsity 0.98) 1.00-1.09x, and
+// 8-bit B's narrow tile, whose fold sums two MMAs keep in local memory, 1.01-1.09x at M = K 1024
+// and 4096. In the sweep, grids of fewer CTAs (M = K 512, and 1024 at N up to 256) took up to 1.10x
+// (kernel_checks.md, forty-sixth round). At V 4, 12-bit A (digits) and unsigned 16-bit A stack
+// where the grid holds ten CTAs an SM or more: there the fewer registers let more CTAs share an SM
+// (12-bit A with 4-bit B: 80 against 110, six CTAs, not four; unsigned A: 80 against 110 with 4-bit
+// B, 96 against 124 with 8-bit, 78 against 96 with 16-bit), and L12-R4 took 0.85-0.98x the time
+// (0.91x on the geometric mean of 89 cells; H200, gather kernel, BH 1-16, M = K 512-4096, N
+// 128-512, sparsity 0.7-0.98, rows of one block too), unsigned A 0.84-0.99x (0.90x over 117 cells
+// of L16u-R8, -R4 and -R16, BH 1-16, M = K 1024-4096, N 256 and 512, sparsity 0.7-0.98); on smaller
+// grids, where each CTA's chain of latencies counts, L12-R4 0.96-1.20x (1.07x under four CTAs an
+// SM, 1.01x at four to eight, losing most at sparsity 0.95-0.98; the whole sweep's cells at 7.8
+// took 0.93-0.97x) and unsigned A 0.92-1.20x (1.06x under four, 1.00x at four to eight;
+// kernel_checks.md, forty-ninth and fiftieth rounds).
 template <int AB, bool AS, int BB, int TB>
 void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice,
                  int64_t a_bits) {
   if constexpr (AB == 16 && !magicube::spmm_detail::Kind<AB, AS, BB, TB>::kLocalSums) {
     const int64_t ctas = vrows * ((p.row_bytes + TB - 1) / TB) * bh;
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    auto stacks = [&](bool pays) { return choice == Choice::kStacked || (choice != Choice::kGather && pays); };
-    if (p.v == 2 && stacks(nnz_pad >= 2 * kSlots * vrows && ctas >= 4 * sms))
-      return launch_tiles<AB, AS, BB, true, TB, 2>(p, vrows, bh, stream);
-    // 12-bit values: signed, and with 4-bit B only (spmm_cuda's checks).
-    if constexpr (AS && BB == 4)
-      if (p.v == 4 && a_bits == 12 && stacks(ctas >= 10 * sms))
-        return launch_tiles<AB, AS, BB, true, TB, 4>(p, vrows, bh, stream);
+    const bool pays = p.v == 2 ? nnz_pad >= 2 * kSlots * vrows && ctas >= 4 * sms : ctas >= 10 * sms;
+    if (can_stack(a_bits, AS, p.v) && (choice == Choice::kStacked || (choice != Choice::kGather && pays))) {
+      if (p.v == 2) return launch_tiles<AB, AS, BB, true, TB, 2>(p, vrows, bh, stream);
+      // Signed A stacks at V 4 as 12-bit values only, which meet 4-bit B only (spmm_cuda's checks).
+      if constexpr (!AS || BB == 4) return launch_tiles<AB, AS, BB, true, TB, 4>(p, vrows, bh, stream);
+    }
   }
   launch_tiles<AB, AS, BB, true, TB>(p, vrows, bh, stream);
 }
@@ -695,7 +704,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
     // dense path, where each applies (listed only where a problem is tuned, not on every call).
     auto candidates = [&] {
       std::vector<Choice> ways{Choice::kGather};
-      if (fast && ((a_bits >= 12 && v == 2) || (a_bits == 12 && v == 4))) ways.push_back(Choice::kStacked);
+      if (fast && can_stack(a_bits, a_signed, v)) ways.push_back(Choice::kStacked);
       if (fast && b_bits != 16) ways.push_back(Choice::kResident);
       const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits, bh, false);
       if (d.applies() && d.fits(bh)) ways.push_back(Choice::kDense);

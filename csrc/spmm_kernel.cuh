@@ -35,13 +35,16 @@
 // has 8 columns and the vector 2 rows, so its columns take the rows' high planes, their low planes
 // and, for signed A, a column of ones. Signed high planes are offset by 128 to unsigned bytes, and
 // the ones column sums the gathered rows, which undoes the offset: x = 256 (hi + 128) + lo - 32768
-// per gathered row. One MMA a tile instead of two, and half the accumulators. 12-bit values stack
-// at V 4 as well, as balanced base-256 digits, x = 256 h + l with l = (int8) x and h = (x + 128) >> 8
-// in [-8, 8]: the four rows' high digits and their low ones fill the 8 columns, all signed, with
-// no offset and no ones column. int4 values are widened in registers to 16 * value (a mask, no sign
-// arithmetic) and the exact multiple of 16 is shifted out at the end. The int32 accumulators are
-// folded into int64 every 512 blocks, before any plane product could overflow (a block adds at most
-// 32 * 255 * 255 < 2^21 per plane).
+// per gathered row. One MMA a tile instead of two, and half the accumulators. At V 4 the four rows'
+// high planes and their low ones fill the 8 columns, with no room for a ones column: unsigned
+// values stack as they are, and 12-bit ones as balanced base-256 digits, x = 256 h + l with l =
+// (int8) x and h = (x + 128) >> 8 in [-8, 8], all signed, with no offset. Signed 16-bit values stay
+// in two MMAs there: their offset would need the gathered rows' sums by other means (dp4a over the
+// dense fragments, four instructions a tile, cost more than the MMA they saved: kernel_checks.md,
+// fiftieth round). int4 values are widened in registers to 16 * value (a mask, no sign arithmetic)
+// and the exact multiple of 16 is shifted out at the end. The int32 accumulators are folded into
+// int64 every 512 blocks, before any plane product could overflow (a block adds at most 32 * 255 *
+// 255 < 2^21 per plane).
 #pragma once
 
 #include <cstdint>
@@ -90,7 +93,8 @@ struct Params {
 // AB/BB: sparse/dense bits (16, 8, 4); 0/0 is the fp16 kernel. AS: sparse values signed. TB: bytes
 // of each gathered dense row per CTA (the gather kernel's tile; see kWideTileBytes and launch).
 // STACK: the V at which 16-bit containers put both planes in one MMA (the file comment; the gather
-// kernel only), 0 for two MMAs: 2 for any 16-bit values, 4 for 12-bit ones as balanced digits.
+// kernel only), 0 for two MMAs: 2 for any 16-bit values, 4 for unsigned ones and for 12-bit ones
+// as balanced digits (signed A at V 4).
 template <int AB, bool AS, int BB, int TB = (BB == 4 ? kNarrowTileBytes : kWideTileBytes), int STACK = 0>
 struct Kind {
   static_assert(STACK == 0 || (AB == 16 && (STACK == 2 || STACK == 4)), "16-bit containers stack at V 2 or 4");
@@ -100,10 +104,11 @@ struct Kind {
   static constexpr int kBBits = BB;
   static constexpr bool kStacked = STACK != 0;
   static constexpr int kStackV = STACK;
-  // A's planes in separate MMAs, and whether the top one is a signed operand (stacked at V 2, planes
-  // are unsigned bytes; at V 4, signed digits).
+  static constexpr bool kDigits = STACK == 4 && AS;
+  // A's planes in separate MMAs, and whether the top one is a signed operand (stacked, planes are
+  // unsigned bytes; digits are signed).
   static constexpr int kAPlanes = AB == 16 && !kStacked ? 2 : 1;
-  static constexpr bool kTopSigned = STACK == 0 ? AS : STACK == 4;
+  static constexpr bool kTopSigned = STACK == 0 ? AS : kDigits;
   static constexpr int kBPlanes = BB == 16 ? 2 : 1;
   static constexpr int kSparseRowBytes = kFp16 ? 64 : kSlots * AB / 8;
   static constexpr int kTileBytes = TB;
@@ -321,13 +326,13 @@ __device__ __forceinline__ uint32_t high_digits(uint32_t w0, uint32_t w1) {
 // or digit of column g (the file comment; the words are row g % V's).
 template <class K>
 __device__ __forceinline__ void sparse_fragment(const SparseWords<K>& a, int g, uint32_t (&sb)[K::kAPlanes][2]) {
-  if constexpr (K::kStackV == 4) {
+  if constexpr (K::kDigits) {
     const bool high = g < 4;
     sb[0][0] = high ? high_digits(a.w[0], a.w[1]) : even_bytes(a.w[0], a.w[1]);
     sb[0][1] = high ? high_digits(a.w[2], a.w[3]) : even_bytes(a.w[2], a.w[3]);
   } else if constexpr (K::kStacked) {
     constexpr uint32_t kOffset = K::kASigned ? 0x80808080u : 0u;
-    const bool high = g < 2;
+    const bool high = g < K::kStackV;
     sb[0][0] = high ? odd_bytes(a.w[0], a.w[1]) ^ kOffset : even_bytes(a.w[0], a.w[1]);
     sb[0][1] = high ? odd_bytes(a.w[2], a.w[3]) ^ kOffset : even_bytes(a.w[2], a.w[3]);
     if (K::kASigned && g == 4) sb[0][0] = sb[0][1] = 0x01010101u;
@@ -488,9 +493,10 @@ __device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<K
     if constexpr (K::kStacked) {
       // Columns 2t and 2t + 1 of the sparse operand are lane t's. At V 2, lane 0 holds the sums of
       // the rows' high planes, lane 1 of their low planes, lane 2 of the ones column (its even
-      // elements), and lane 0 writes the rows; at V 4, lanes 0 and 1 hold the high digits' sums of
-      // the rows they write, lanes 2 and 3 the low digits'. column(mt, j) is this lane's sum: the
-      // int32 accumulator where it is the whole sum (as below), else the int64 total.
+      // elements), and lane 0 writes the rows; at V 4, lanes 0 and 1 hold the high planes' (or
+      // digits') sums of the rows they write, lanes 2 and 3 the low ones'. column(mt, j) is this
+      // lane's sum: the int32 accumulator where it is the whole sum (as below), else the int64
+      // total.
       int64_t y[MT][4];
       auto combine = [&](auto&& column) {
 #pragma unroll

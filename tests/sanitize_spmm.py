@@ -13,8 +13,8 @@ import torch
 
 from magicube.ops import SRBCRS, VectorMask, extension, random_vector_mask, to_container
 
-KINDS = [(8, 8, True), (8, 8, False), (4, 4, True), (16, 8, False), (16, 16, True), (8, 4, True), (16, 4, False),
-         (12, 4, True)]
+KINDS = [(8, 8, True), (8, 8, False), (4, 4, True), (16, 8, False), (16, 16, True), (16, 16, False), (8, 4, True),
+         (16, 4, False), (12, 4, True)]
 
 
 def check(g, p, emask, bh, k, n, v, a_bits, b_bits, a_signed) -> bool:
@@ -46,8 +46,8 @@ def main() -> int:
     extension.load("spmm")
     bad = 0
     g = torch.Generator().manual_seed(0)
-    # Every way: the gather kernel with 16-bit A's planes stacked (V 2, 16-byte rows; 12-bit A's at
-    # V 4), the resident-B kernel (8- and 4-bit B on 16-byte rows) and the dense path (integer
+    # Every way: the gather kernel with 16-bit A's planes stacked (V 2, 16-byte rows; unsigned and
+    # 12-bit A's at V 4), the resident-B kernel (8- and 4-bit B on 16-byte rows) and the dense path (integer
     # operands) run on problems this small only when asked for; on Hopper also the dense path with
     # its wgmma GEMM, whose smaller tile runs here when forced (within one wave, its deeper ring),
     # its larger one on the first batched problem at the end (12 x 3 x 3 tiles) and, with one plane
@@ -93,13 +93,15 @@ def main() -> int:
                 print(f"MISMATCH dense, batched {bh}: a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
     # A row past the int32 accumulators' fold interval (513 blocks) in the gather kernel: on the
     # narrow tile (N = 48), where 8-bit B keeps the folds in local memory, and with 16-bit A's
-    # planes stacked into one MMA (N = 160: the wide tile for 8- and 16-bit B), 12-bit A's at V 4.
+    # planes stacked into one MMA (N = 160: the wide tile for 8- and 16-bit B), unsigned 16-bit and
+    # 12-bit A's at V 4.
     os.environ["MAGICUBE_SPMM_KERNEL"] = "stacked"
     k = 32 * 513
     mask = torch.zeros(2, k, dtype=torch.bool)
     mask[1] = True
     for a_bits, b_bits, a_signed, n, v in ((8, 8, True, 48, 2), (16, 8, False, 48, 2), (16, 8, True, 160, 2),
-                                           (16, 16, True, 160, 2), (16, 4, True, 160, 2), (12, 4, True, 160, 4)):
+                                           (16, 16, True, 160, 2), (16, 4, True, 160, 2), (12, 4, True, 160, 4),
+                                           (16, 8, False, 160, 4)):
         vm = VectorMask(mask, v)
         p = SRBCRS.from_mask(vm, stride=32)
         if not check(g, p, vm.to_dense(), 1, k, n, v, a_bits, b_bits, a_signed):

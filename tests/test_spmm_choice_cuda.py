@@ -25,20 +25,20 @@ def kernels():
     return load_kernels("spmm")
 
 
-def _problem(a_bits, b_bits, v, sparsity, mk, n):
+def _problem(a_bits, b_bits, v, sparsity, mk, n, a_signed=True):
     """One call of the integer SpMM on random operands (M = K = mk, BH 1, int64 output) and the
     exact product it must return."""
     g = torch.Generator(device="cuda").manual_seed(0)
     mask = random_vector_mask(mk, mk, v, sparsity, seed=1)
     p = SRBCRS.from_mask(mask, stride=32).to("cuda")
-    qa = random_ints((1, mk, mk), a_bits, True, g) * mask.to_dense().to("cuda")
+    qa = random_ints((1, mk, mk), a_bits, a_signed, g) * mask.to_dense().to("cuda")
     qb = random_ints((1, mk, n), b_bits, True, g)
-    a_values = to_container(p.pack_values(qa), a_bits)
+    a_values = to_container(p.pack_values(qa), a_bits, a_signed)
     b = to_container(qb, b_bits)
 
     def call():
         return torch.ops.magicube_cuda.spmm(p.row_ptr, p.col_idx, p.row_order, a_values, b, None, None, v, mk,
-                                            a_bits, True, b_bits, torch.int64, p.longest_row)
+                                            a_bits, a_signed, b_bits, torch.int64, p.longest_row)
 
     # Exact in float64: every partial sum stays below 2^53.
     return call, (qa.double() @ qb.double()).long()
@@ -95,20 +95,26 @@ def test_forced_way_runs(kernels, monkeypatch, way):
     assert _ways_run(8, 8, 8, 0.9, 2048, 64) == {way}
 
 
-# (a_bits, b_bits, V, sparsity, M = K, N, MAGICUBE_SPMM_KERNEL, the V at which the gather kernel
-# stacks A's planes, 0 where it does not): by default 16-bit A at V 2 where rows average two blocks
-# or more (here 4) and the grid holds four CTAs an SM or more (1024 here, on GPUs of up to 256 SMs),
-# not on 8-bit B's narrow tile (rows of at most 128 bytes), nor on rows of one block (sparsity
-# 0.99), nor on a grid of 256 CTAs; and 12-bit A at V 4 where the grid holds ten or more (2048
-# here, on GPUs of up to 204 SMs; not 512), never 16-bit A at V 4. `stacked` stacks wherever it
-# can, `gather` never does.
+# (a_bits, b_bits, V, sparsity, M = K, N, False where A is unsigned, MAGICUBE_SPMM_KERNEL, the V at
+# which the gather kernel stacks A's planes, 0 where it does not): by default 16-bit A at V 2 where
+# rows average two blocks or more (here 4) and the grid holds four CTAs an SM or more (1024 here, on
+# GPUs of up to 256 SMs), not on 8-bit B's narrow tile (rows of at most 128 bytes), nor on rows of
+# one block (sparsity 0.99), nor on a grid of 256 CTAs; and 12-bit A and unsigned 16-bit A at V 4
+# where the grid holds ten or more (2048 here, on GPUs of up to 204 SMs; not 512), never signed
+# 16-bit A at V 4. `stacked` stacks wherever it can, `gather` never does.
 STACK_CASES = {
     "L16-R8-wide": (16, 8, 2, 0.95, 2048, 256, "auto", 2),
     "L16-R16": (16, 16, 2, 0.95, 2048, 128, "auto", 2),
     "L16-R4": (16, 4, 2, 0.95, 2048, 256, "auto", 2),
     "L16-R8-narrow": (16, 8, 2, 0.95, 2048, 128, "auto", 0),
-    "L16-R8-v4": (16, 8, 4, 0.95, 2048, 256, "auto", 0),
+    "L16-R8-v4": (16, 8, 4, 0.98, 4096, 512, "auto", 0),
     "L16-R4-v4-stacked": (16, 4, 4, 0.95, 2048, 256, "stacked", 0),
+    "L16u-R8-v4": (16, 8, 4, 0.98, 4096, 512, False, "auto", 4),
+    "L16u-R16-v4": (16, 16, 4, 0.98, 4096, 256, False, "auto", 4),
+    "L16u-R4-v4": (16, 4, 4, 0.98, 4096, 512, False, "auto", 4),
+    "L16u-R8-v4-few-ctas": (16, 8, 4, 0.95, 2048, 256, False, "auto", 0),
+    "L16u-R8-v4-stacked": (16, 8, 4, 0.95, 2048, 256, False, "stacked", 4),
+    "L16u-R8-v4-narrow-stacked": (16, 8, 4, 0.95, 2048, 128, False, "stacked", 0),
     "L12-R4-v4": (12, 4, 4, 0.98, 4096, 512, "auto", 4),
     "L12-R4-v4-few-ctas": (12, 4, 4, 0.95, 2048, 256, "auto", 0),
     "L12-R4-v4-gather": (12, 4, 4, 0.95, 2048, 256, "gather", 0),

@@ -37,14 +37,15 @@ def _hopper() -> bool:
 
 @pytest.fixture(autouse=True, params=["gather", "stacked", "resident", "dense", "dense_wgmma"])
 def spmm_kernel(request, monkeypatch):
-    """Each test of integer operands runs every way the op computes: the gather kernel, with 12-
-    and 16-bit A's planes in two MMAs and (at V 2, and 12-bit A's as digits at V 4) stacked into
-    one, which the automatic choice takes on larger problems than these, the resident-B kernel (8-
-    or 4-bit B), which it takes on narrow B, and the dense path, which it takes at low V and
-    sparsity, with its GEMM chosen by size (on problems this small the mma.sync one) and, on Hopper,
-    with the wgmma GEMM forced. Where the one forced does not apply (stacking at V 8, 16-bit A's at
-    V 4, or on 8-bit B's narrow tile, the resident kernel on dense rows not on 16 bytes or B's slice
-    past shared memory, the dense path past its K) the gather kernel runs."""
+    """Each test of integer operands runs every way the op computes: the gather kernel, with 12- and
+    16-bit A's planes in two MMAs and (at V 2, and at V 4 unsigned 16-bit A's and 12-bit A's as
+    digits) stacked into one, which the automatic choice takes on larger problems than these, the
+    resident-B kernel (8- or 4-bit B), which it takes on narrow B, and the dense path, which it
+    takes at low V and sparsity, with its GEMM chosen by size (on problems this small the mma.sync
+    one) and, on Hopper, with the wgmma GEMM forced. Where the one forced does not apply (stacking
+    at V 8, signed 16-bit A's at V 4, or on 8-bit B's narrow tile, the resident kernel on dense rows
+    not on 16 bytes or B's slice past shared memory, the dense path past its K) the gather kernel
+    runs."""
     callspec = getattr(request.node, "callspec", None)
     b_bits = callspec.params.get("b_bits") if callspec else None
     a_bits = callspec.params.get("a_bits") if callspec else None
@@ -148,8 +149,8 @@ def test_dense_expansion_groups(kernels, a_bits, b_bits, a_signed, bh, rows, v):
 def test_range_extremes(kernels, a_bits, b_bits, a_signed, v, n):
     """All values at qmin or qmax: the largest products, the int32 overflow of long rows. N 40 takes
     the generic copies, N 160 the fast ones, where the stacked way puts 16-bit A's planes into one
-    MMA at V 2 (an offset high plane and a column of ones that undoes it) and 12-bit A's at V 4
-    (balanced digits, the high ones at -8 and 8)."""
+    MMA at V 2 (an offset high plane and a column of ones that undoes it), unsigned 16-bit A's at V
+    4 and 12-bit A's at V 4 (balanced digits, the high ones at -8 and 8)."""
     amin, amax = qrange(a_bits, a_signed)
     bmin, bmax = qrange(b_bits, True)
     bh, rows, k = 2, 3, 2000
@@ -215,16 +216,18 @@ def test_output_row_alignment(kernels, a_bits, b_bits, a_signed, n):
 
 @pytest.mark.parametrize("n", [24, 32, 160])
 @pytest.mark.parametrize("blocks", [511, 512, 513])
-@pytest.mark.parametrize("a_bits, b_bits, v", [(8, 8, 2), (4, 4, 2), (8, 4, 2), (16, 8, 2), (16, 16, 2), (16, 4, 2),
-                                               (12, 4, 4)],
-                         ids=["L8-R8", "L4-R4", "L8-R4", "L16-R8", "L16-R16", "L16-R4", "L12-R4-V4"])
-def test_fold_boundary(kernels, a_bits, b_bits, v, blocks, n):
+@pytest.mark.parametrize("a_bits, b_bits, a_signed, v",
+                         [(8, 8, True, 2), (4, 4, True, 2), (8, 4, True, 2), (16, 8, True, 2), (16, 16, True, 2),
+                          (16, 4, True, 2), (12, 4, True, 4), (16, 8, False, 4), (16, 16, False, 4), (16, 4, False, 4)],
+                         ids=["L8-R8", "L4-R4", "L8-R4", "L16-R8", "L16-R16", "L16-R4", "L12-R4-V4", "L16u-R8-V4",
+                              "L16u-R16-V4", "L16u-R4-V4"])
+def test_fold_boundary(kernels, a_bits, b_bits, a_signed, v, blocks, n):
     """Rows of 511, 512 and 513 blocks: single-plane results are read from the int32 accumulator
     when no fold happened, from the folded int64 otherwise. N 24 takes the generic copies (rows
     not on 16 bytes), N 32 and 160 the fast ones: the gather kernel's narrow tile, which for 8-bit
     B keeps the folds in local memory, and the wide one for 8- and 16-bit B; the stacked way puts
-    16-bit A's planes into one MMA on both tiles but 8-bit B's narrow one, and 12-bit A's digits at
-    V 4."""
+    16-bit A's planes into one MMA on both tiles but 8-bit B's narrow one, and at V 4 unsigned
+    16-bit A's planes and 12-bit A's digits."""
     k = 32 * blocks
     mask = torch.zeros(3, k, dtype=torch.bool)
     mask[1] = True
@@ -232,11 +235,11 @@ def test_fold_boundary(kernels, a_bits, b_bits, v, blocks, n):
     p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
     emask = VectorMask(mask, v).to_dense()
     g = torch.Generator().manual_seed(blocks)
-    a_values, b = _inputs(p, emask, 1, k, n, a_bits, True, b_bits, g)
-    got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, True, b_bits, torch.int64)
+    a_values, b = _inputs(p, emask, 1, k, n, a_bits, a_signed, b_bits, g)
+    got, want = _run(kernels, p, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64)
     assert torch.equal(got, want)
     sa, sb = _scales(1, p.m, n, g, a_bits, b_bits)
-    got, want = _run(kernels, p, a_values, b, sa, sb, v, a_bits, True, b_bits, torch.float16)
+    got, want = _run(kernels, p, a_values, b, sa, sb, v, a_bits, a_signed, b_bits, torch.float16)
     assert torch.equal(got, want)
 
 
