@@ -80,23 +80,23 @@ bool can_stack(int64_t a_bits, bool a_signed, int64_t v) {
   return a_bits >= 12 && (v == 2 || (v == 4 && (!a_signed || a_bits == 12)));
 }
 
-// The fast copies' tiles. 16-bit A at V 2 stacks its planes into one MMA (spmm_kernel.cuh), except
-// on 8-bit B's narrow tile, where its rows average two blocks or more and the grid holds four CTAs
-// an SM or more. H200, gather kernel, M = K 1024-4096, N 128-512, sparsity 0.7 / 0.9 / 0.98,
-// against two MMAs: L16-R4 and L12-R4 0.85-0.96x the time at M = K = 4096, L16-R16 0.90-0.95x,
-// L16-R8 0.92-0.94x (wide tile); rows of one block (M = K = 1024, sparsity 0.98) 1.00-1.09x, and
-// 8-bit B's narrow tile, whose fold sums two MMAs keep in local memory, 1.01-1.09x at M = K 1024
-// and 4096. In the sweep, grids of fewer CTAs (M = K 512, and 1024 at N up to 256) took up to 1.10x
-// (kernel_checks.md, forty-sixth round). At V 4, 12-bit A (digits) and unsigned 16-bit A stack
-// where the grid holds ten CTAs an SM or more: there the fewer registers let more CTAs share an SM
-// (12-bit A with 4-bit B: 80 against 110, six CTAs, not four; unsigned A: 80 against 110 with 4-bit
-// B, 96 against 124 with 8-bit, 78 against 96 with 16-bit), and L12-R4 took 0.85-0.98x the time
-// (0.91x on the geometric mean of 89 cells; H200, gather kernel, BH 1-16, M = K 512-4096, N
-// 128-512, sparsity 0.7-0.98, rows of one block too), unsigned A 0.84-0.99x (0.90x over 117 cells
-// of L16u-R8, -R4 and -R16, BH 1-16, M = K 1024-4096, N 256 and 512, sparsity 0.7-0.98); on smaller
-// grids, where each CTA's chain of latencies counts, L12-R4 0.96-1.20x (1.07x under four CTAs an
-// SM, 1.01x at four to eight, losing most at sparsity 0.95-0.98; the whole sweep's cells at 7.8
-// took 0.93-0.97x) and unsigned A 0.92-1.20x (1.06x under four, 1.00x at four to eight;
+// The fast copies' tiles. 16-bit A at V 2 can stack its planes into one MMA (spmm_kernel.cuh),
+// except on 8-bit B's narrow tile, and does where its rows average two blocks or more and the grid
+// holds four CTAs an SM or more. H200, gather kernel, M = K 1024-4096, N 128-512, sparsity 0.7 /
+// 0.9 / 0.98, against two MMAs: L16-R4 and L12-R4 0.85-0.96x the time at M = K = 4096, L16-R16
+// 0.90-0.95x, L16-R8 0.92-0.94x (wide tile); rows of one block (M = K = 1024, sparsity 0.98)
+// 1.00-1.09x, and 8-bit B's narrow tile, whose fold sums two MMAs keep in local memory, 1.01-1.09x
+// at M = K 1024 and 4096. In the sweep, grids of fewer CTAs (M = K 512, and 1024 at N up to 256)
+// took up to 1.10x (kernel_checks.md, forty-sixth round). At V 4, 12-bit A (digits) and unsigned
+// 16-bit A stack where the grid holds ten CTAs an SM or more: there the fewer registers let more
+// CTAs share an SM (12-bit A with 4-bit B: 80 against 110, six CTAs, not four; unsigned A: 80
+// against 110 with 4-bit B, 96 against 124 with 8-bit, 78 against 96 with 16-bit), and L12-R4 took
+// 0.85-0.98x the time (0.91x on the geometric mean of 89 cells; H200, gather kernel, BH 1-16, M = K
+// 512-4096, N 128-512, sparsity 0.7-0.98, rows of one block too), unsigned A 0.84-0.99x (0.90x over
+// 117 cells of L16u-R8, -R4 and -R16, BH 1-16, M = K 1024-4096, N 256 and 512, sparsity 0.7-0.98);
+// on smaller grids, where each CTA's chain of latencies counts, L12-R4 0.96-1.20x (1.07x under four
+// CTAs an SM, 1.01x at four to eight, losing most at sparsity 0.95-0.98; the whole sweep's cells at
+// 7.8 took 0.93-0.97x) and unsigned A 0.92-1.20x (1.06x under four, 1.00x at four to eight;
 // kernel_checks.md, forty-ninth and fiftieth rounds).
 template <int AB, bool AS, int BB, int TB>
 void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice,

@@ -161,13 +161,15 @@ def test_range_extremes(kernels, a_bits, b_bits, a_signed, v, n):
         assert torch.equal(got, want), f"fill {fill}"
 
 
+@pytest.mark.parametrize("v", [2, 4])
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", [(16, 16, True), (16, 16, False), (8, 8, False)],
                          ids=["L16-R16", "L16u-R16", "L8u-R8"])
-def test_int32_overflow_long_row(kernels, a_bits, b_bits, a_signed):
-    """One full row of 70000 columns (2188 blocks, past the int32 fold interval) at the extremes."""
+def test_int32_overflow_long_row(kernels, a_bits, b_bits, a_signed, v):
+    """One full row of 70000 columns (2188 blocks, past the int32 fold interval) at the extremes (at
+    V 4, unsigned 16-bit A's planes stacked where asked)."""
     amin, amax = qrange(a_bits, a_signed)
     bmin, _ = qrange(b_bits, True)
-    k, n, v = 70000, 16, 2
+    k, n = 70000, 16
     mask = torch.zeros(2, k, dtype=torch.bool)
     mask[1] = True
     p = SRBCRS.from_mask(VectorMask(mask, v), stride=32)
