@@ -62,8 +62,8 @@ def spmm(pattern: SRBCRS, a_values: torch.Tensor, b: torch.Tensor, *, a_bits: in
     time, and the environment variable
     MAGICUBE_SPMM_KERNEL=gather|stacked|resident|dense|dense_wgmma forces one where it applies
     (stacked: the gather kernel with 16-bit A's two byte planes in one MMA, at V 2, and at V 4
-    unsigned 16-bit A's planes and 12-bit A's two digits), or MAGICUBE_SPMM_KERNEL=tuned times the ways at a problem's first call and
-    runs the fastest after.
+    unsigned 16-bit A's planes and 12-bit A's two digits), or MAGICUBE_SPMM_KERNEL=tuned times the
+    ways at a problem's first call and runs the fastest after.
     """
     p = _pattern(pattern, b.device)
     if b.dim() != 3:

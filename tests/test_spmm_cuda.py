@@ -149,8 +149,8 @@ def test_dense_expansion_groups(kernels, a_bits, b_bits, a_signed, bh, rows, v):
 def test_range_extremes(kernels, a_bits, b_bits, a_signed, v, n):
     """All values at qmin or qmax: the largest products, the int32 overflow of long rows. N 40 takes
     the generic copies, N 160 the fast ones, where the stacked way puts 16-bit A's planes into one
-    MMA at V 2 (an offset high plane and a column of ones that undoes it), unsigned 16-bit A's at V
-    4 and 12-bit A's at V 4 (balanced digits, the high ones at -8 and 8)."""
+    MMA at V 2 (an offset high plane and a column of ones that undoes it), and at V 4 unsigned
+    16-bit A's and 12-bit A's (balanced digits, the high ones at -8 and 8)."""
     amin, amax = qrange(a_bits, a_signed)
     bmin, bmax = qrange(b_bits, True)
     bh, rows, k = 2, 3, 2000
