@@ -326,16 +326,17 @@ __device__ __forceinline__ uint32_t high_digits(uint32_t w0, uint32_t w1) {
 // or digit of column g (the file comment; the words are row g % V's).
 template <class K>
 __device__ __forceinline__ void sparse_fragment(const SparseWords<K>& a, int g, uint32_t (&sb)[K::kAPlanes][2]) {
-  if constexpr (K::kDigits) {
-    const bool high = g < 4;
-    sb[0][0] = high ? high_digits(a.w[0], a.w[1]) : even_bytes(a.w[0], a.w[1]);
-    sb[0][1] = high ? high_digits(a.w[2], a.w[3]) : even_bytes(a.w[2], a.w[3]);
-  } else if constexpr (K::kStacked) {
-    constexpr uint32_t kOffset = K::kASigned ? 0x80808080u : 0u;
+  if constexpr (K::kStacked) {
+    // Columns g < V take row g's high plane (offset for signed A at V 2) or high digit, the others
+    // its low byte; signed A at V 2 adds the ones column.
+    auto top = [](uint32_t w0, uint32_t w1) {
+      if constexpr (K::kDigits) return high_digits(w0, w1);
+      else return odd_bytes(w0, w1) ^ (K::kASigned ? 0x80808080u : 0u);
+    };
     const bool high = g < K::kStackV;
-    sb[0][0] = high ? odd_bytes(a.w[0], a.w[1]) ^ kOffset : even_bytes(a.w[0], a.w[1]);
-    sb[0][1] = high ? odd_bytes(a.w[2], a.w[3]) ^ kOffset : even_bytes(a.w[2], a.w[3]);
-    if (K::kASigned && g == 4) sb[0][0] = sb[0][1] = 0x01010101u;
+    sb[0][0] = high ? top(a.w[0], a.w[1]) : even_bytes(a.w[0], a.w[1]);
+    sb[0][1] = high ? top(a.w[2], a.w[3]) : even_bytes(a.w[2], a.w[3]);
+    if (K::kASigned && K::kStackV == 2 && g == 4) sb[0][0] = sb[0][1] = 0x01010101u;
   } else if constexpr (K::kABits == 8) {
     sb[0][0] = a.w[0];
     sb[0][1] = a.w[1];
