@@ -256,6 +256,7 @@ template <int AB, bool AS, int BB, int G>
 __global__ void __launch_bounds__(kExpandThreads) expand_kernel(const ExpandParams p) {
   extern __shared__ int4 smem16[];
   const int bh = blockIdx.z, b_tiles = blockIdx.y == 0 ? p.b_tiles : 0;
+  await_inputs();
   if (static_cast<int>(blockIdx.x) < b_tiles) {
     b_planes_tile<BB>(p, reinterpret_cast<int (*)[kBTile + 1]>(smem16), blockIdx.x, bh);
   } else if (G * (static_cast<int>(blockIdx.x) - b_tiles) < p.vrows) {
@@ -496,6 +497,7 @@ __global__ void __launch_bounds__(T::kThreads) gemm_kernel(const GemmParams p) {
   constexpr int kSteps = kStepBytes / 32;
   static_assert(kSteps % 2 == 0, "a tile's steps alternate the fragment buffers, so the next tile starts on 0");
   int acc[AP][BP][kMT][kNT][4] = {};
+  await_inputs();
 #pragma unroll
   for (int t = 0; t < T::kStages - 1; ++t) {
     if (t < k_tiles) copies.load(p, smem, t);
@@ -649,6 +651,7 @@ __global__ void __launch_bounds__(T::kThreads)
     fence_mbarrier_init();
   }
   __syncthreads();
+  await_inputs();
 
   if (threadIdx.x >= T::kMathThreads) {
     // The producer warp, one lane: tile u into slot u % kS once every warpgroup is done with the

@@ -357,8 +357,9 @@ def test_chained_calls_wait_for_their_inputs(kernels, b_bits):
     """Each call reads the one before it: the fp16 output's bits, viewed as int8, are the next
     call's B (K = M), three calls deep, replayed from a CUDA graph so that the launches follow each
     other on the GPU. On sm_90 a call may start launching while its predecessor still writes (the
-    gather kernel lets the next one launch before its epilogue), so it must wait for those writes
-    before reading anything. Compared bit for bit (as int16: a NaN's bits are data here)."""
+    gather kernel lets the next one launch before its epilogue, the dense path's expansion and GEMM
+    launch as the kernel before them ends), so it must wait for those writes before reading
+    anything. Compared bit for bit (as int16: a NaN's bits are data here)."""
     bh, rows, v = 4, 128, 8
     p, emask = problem(bh, rows, rows * v, v, 0.7, seed=5)
     g = torch.Generator().manual_seed(5)
