@@ -420,8 +420,8 @@ struct Dense {
 // our GEMM, which recombines the plane products in its epilogue. The expansion and our GEMM are
 // launched overlapped (launch.cuh), without an early trigger: each launches as the last CTAs of
 // the kernel before it exit, which hides the gap between them (H200, the dense path forced, M = K
-// 512-4096, N 128-512, V 2 and 8, sparsity 0.7, L8-R8, L16-R8, L16-R16, L8-R4: 0.4-0.9 us less a
-// call, 0.90-0.99x the time where our GEMM runs). Triggered early (at the expansion's start, after
+// 512-4096, N 128-512, V 2 and 8, sparsity 0.7, L8-R8, L16-R8, L16-R16, L8-R4: 0.3-1.2 us less a
+// call, 0.89-1.00x the time where our GEMM runs). Triggered early (at the expansion's start, after
 // the GEMM's main loop), the next kernel's CTAs took SMs while the last ones still ran, and the
 // time went 0.77-1.20x by cell; before cuBLAS's GEMM the overlapped expansion took 1.01-1.03x.
 template <int AB, int BB>
