@@ -36,10 +36,11 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& 
 
 // MAGICUBE_SPMM_KERNEL forces a kernel where it applies (tests, benchmarks): gather, stacked (the
 // gather kernel, stacking 16-bit A's planes, or 12-bit A's digits, wherever it can: launch_fast),
-// resident (the resident-B kernel), dense (the dense path) or dense_wgmma (the dense path, and our
-// GEMM on wgmma wherever it runs: Hopper); auto, the default, lets the rules below pick; tuned times
-// the ways that apply on a problem's first call and runs the fastest from then on (tuned_choice).
-enum class Choice { kAuto, kTuned, kGather, kStacked, kResident, kDense, kDenseWgmma };
+// merged (the gather kernel on V 2 rows merged four at a time: launch_merged), resident (the
+// resident-B kernel), dense (the dense path) or dense_wgmma (the dense path, and our GEMM on wgmma
+// wherever it runs: Hopper); auto, the default, lets the rules below pick; tuned times the ways
+// that apply on a problem's first call and runs the fastest from then on (tuned_choice).
+enum class Choice { kAuto, kTuned, kGather, kStacked, kMerged, kResident, kDense, kDenseWgmma };
 
 bool forces_dense(Choice choice) { return choice == Choice::kDense || choice == Choice::kDenseWgmma; }
 
@@ -48,12 +49,13 @@ Choice kernel_choice() {
   const std::string choice = env ? env : "auto";
   if (choice == "gather") return Choice::kGather;
   if (choice == "stacked") return Choice::kStacked;
+  if (choice == "merged") return Choice::kMerged;
   if (choice == "resident") return Choice::kResident;
   if (choice == "dense") return Choice::kDense;
   if (choice == "dense_wgmma") return Choice::kDenseWgmma;
   if (choice == "tuned") return Choice::kTuned;
-  MAGICUBE_CHECK(choice == "auto", "MAGICUBE_SPMM_KERNEL must be auto, tuned, gather, stacked, resident, dense or ",
-                 "dense_wgmma, got ", choice);
+  MAGICUBE_CHECK(choice == "auto", "MAGICUBE_SPMM_KERNEL must be auto, tuned, gather, stacked, merged, resident, ",
+                 "dense or dense_wgmma, got ", choice);
   return Choice::kAuto;
 }
 
@@ -65,13 +67,54 @@ Choice kernel_choice() {
 // kernel resident during the gathers took the L1 that cp.async.ca reuses (4-bit B up to 35 %
 // slower).
 template <int AB, bool AS, int BB, bool FAST, int TB = magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes,
-          int STACK = 0>
-void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream) {
+          int STACK = 0, bool MERGE = false>
+void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, int64_t smem = 0) {
   const int64_t tiles = (p.row_bytes + TB - 1) / TB;
   MAGICUBE_CHECK(tiles <= 65535 && vrows <= INT32_MAX, "spmm: N or M too large");
-  const dim3 grid(static_cast<unsigned>(vrows), static_cast<unsigned>(tiles), static_cast<unsigned>(bh));
-  magicube::launch_overlapped(magicube::spmm_detail::spmm_kernel<AB, AS, BB, FAST, TB, STACK>, grid, dim3(kThreads),
-                              0, stream, p);
+  const dim3 grid(static_cast<unsigned>(MERGE ? vrows / 4 : vrows), static_cast<unsigned>(tiles),
+                  static_cast<unsigned>(bh));
+  magicube::launch_overlapped(magicube::spmm_detail::spmm_kernel<AB, AS, BB, FAST, TB, STACK, MERGE>, grid,
+                              dim3(kThreads), static_cast<size_t>(smem), stream, p);
+}
+
+// The most columns of V 2 rows merged four at a time (launch_merged) that one window holds (16 KB
+// of 16-bit values).
+constexpr int64_t kMergeSlots = 1024;
+
+// The dynamic shared memory of the gather kernel on V 2 rows merged four at a time
+// (spmm_kernel.cuh: merge_four_rows): the union's values and columns, and a bitmap of K bits with
+// a prefix for each of its words.
+template <int AB>
+int64_t merge_smem(const Params& p) {
+  const int64_t words = (static_cast<int64_t>(p.k) + 31) / 32;
+  return int64_t{p.merge_slots} / kSlots * 8 * magicube::spmm_detail::Kind<AB, true, 8>::kSparseRowBytes +
+         int64_t{p.merge_slots} * 4 + 2 * words * 4;
+}
+
+// The gather kernel on V 2 rows merged four at a time (spmm_kernel.cuh: MergedRows), where
+// p.merge_slots says it applies (V 2, M a multiple of 8), its shared memory fits and it is asked
+// for or pays: 8- or 16-bit B of N 256 or more, rows of at most four blocks on the mean, and three
+// merged CTAs an SM or more. There, on an H200, it took 0.76-1.00x the time of the choice before it (17
+// cells of the seven pairs at V 2, M = K 512-4096, N 128-512, sparsity 0.7-0.98, BH 1: M = K 2048
+// and 4096 at sparsity 0.95 and 0.98), where the merged CTAs' union pays for its building; with
+// fewer CTAs, longer rows (two windows from 1024 columns) or 4-bit B (against the resident-B
+// kernel) up to 2-6x (kernel_checks.md, fifty-second round). Returns whether it ran.
+template <int AB, bool AS, int BB, int TB>
+bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice) {
+  if constexpr (AB == 0) {
+    return false;
+  } else {
+    if (p.merge_slots < 0 || (choice != Choice::kMerged && choice != Choice::kAuto)) return false;
+    constexpr auto kernel = magicube::spmm_detail::spmm_kernel<AB, AS, BB, true, TB, 0, true>;
+    const int64_t smem = merge_smem<AB>(p);
+    if (smem > magicube::max_dynamic_smem<kernel>()) return false;
+    const int64_t ctas = vrows / 4 * ((p.row_bytes + TB - 1) / TB) * bh;
+    const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const bool pays = BB != 4 && p.n >= 256 && nnz_pad <= 4 * kSlots * vrows && ctas >= 3 * sms;
+    if (choice == Choice::kAuto && !pays) return false;
+    launch_tiles<AB, AS, BB, true, TB, 0, true>(p, vrows, bh, stream, smem);
+    return true;
+  }
 }
 
 // Whether the gather kernel can stack A's planes into one MMA at V v (spmm_kernel.cuh): 16-bit
@@ -101,11 +144,13 @@ bool can_stack(int64_t a_bits, bool a_signed, int64_t v) {
 template <int AB, bool AS, int BB, int TB>
 void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice,
                  int64_t a_bits) {
+  if (launch_merged<AB, AS, BB, TB>(p, vrows, bh, nnz_pad, stream, choice)) return;
   if constexpr (AB == 16 && !magicube::spmm_detail::Kind<AB, AS, BB, TB>::kLocalSums) {
     const int64_t ctas = vrows * ((p.row_bytes + TB - 1) / TB) * bh;
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const bool pays = p.v == 2 ? nnz_pad >= 2 * kSlots * vrows && ctas >= 4 * sms : ctas >= 10 * sms;
-    if (can_stack(a_bits, AS, p.v) && (choice == Choice::kStacked || (choice != Choice::kGather && pays))) {
+    const bool asked = choice == Choice::kStacked || (choice != Choice::kGather && choice != Choice::kMerged && pays);
+    if (can_stack(a_bits, AS, p.v) && asked) {
       if (p.v == 2) return launch_tiles<AB, AS, BB, true, TB, 2>(p, vrows, bh, stream);
       // Signed A stacks at V 4 as 12-bit values only, which meet 4-bit B only (spmm_cuda's checks).
       if constexpr (!AS || BB == 4) return launch_tiles<AB, AS, BB, true, TB, 4>(p, vrows, bh, stream);
@@ -149,7 +194,9 @@ template <int AB, bool AS, int BB>
 bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
                      Choice choice) {
   namespace sd = magicube::spmm_detail;
-  if (choice == Choice::kGather || choice == Choice::kStacked || forces_dense(choice) || !fast) return false;
+  if (choice == Choice::kGather || choice == Choice::kStacked || choice == Choice::kMerged || forces_dense(choice) ||
+      !fast)
+    return false;
   constexpr auto kernel = sd::spmm_resident_kernel<AB, AS, BB>;
   const int64_t smem = (static_cast<int64_t>(p.k) + 1) * sd::kResidentSliceBytes;
   if (smem > magicube::max_dynamic_smem<kernel>()) return false;
@@ -681,6 +728,14 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   p.copy_bytes = copy_bytes;
   p.out_int64 = out_dtype == at::kLong;
   p.balance = magicube::long_rows(nnz_pad, vrows, longest_row, kSlots).candidates > 0;
+  // V 2 rows merge four at a time (launch_merged) into a union of at most four rows' columns (of
+  // all slots where the longest row is not known) and at most K, multiplied in windows of up to
+  // kMergeSlots columns.
+  const int64_t union_bound = std::min(longest_row >= 0 ? 4 * longest_row : nnz_pad, k);
+  p.merge_slots = v == 2 && vrows % 4 == 0
+                      ? static_cast<int>(std::clamp<int64_t>((union_bound + kSlots - 1) / kSlots * kSlots, kSlots,
+                                                             kMergeSlots))
+                      : -1;
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool fast = copy_bytes == 16;
@@ -715,6 +770,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
     auto candidates = [&] {
       std::vector<Choice> ways{Choice::kGather};
       if (fast && can_stack(a_bits, a_signed, v)) ways.push_back(Choice::kStacked);
+      if (fast && p.merge_slots >= 0) ways.push_back(Choice::kMerged);
       if (fast && b_bits != 16) ways.push_back(Choice::kResident);
       const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits, bh, false);
       if (d.applies() && d.fits(bh)) ways.push_back(Choice::kDense);

@@ -88,6 +88,9 @@ struct Params {
   // Resident-B kernel: warps take rows of about equal work (some row may be long, or it is not
   // known), else every warps-th row.
   bool balance;
+  // Gather kernel, V 2 rows merged four at a time (spmm_kernel's MERGE): the union's slots that
+  // its dynamic shared memory holds, a multiple of kSlots.
+  int merge_slots;
 };
 
 // AB/BB: sparse/dense bits (16, 8, 4); 0/0 is the fp16 kernel. AS: sparse values signed. TB: bytes
@@ -400,16 +403,15 @@ __device__ __forceinline__ void store_run(T* row, int c, int ncols, bool vec, co
   }
 }
 
-// Writes vector row vrow of batch x head bh, output columns n0 + [0, 16 * MT) from this warp's
-// accumulators, after nblocks blocks: int64, or fp16 dequantized by the row and column scales.
-// Element j of m-tile mt is output row 2t + (j & 1) of the vector row and column
+// Writes vector row vrow (of V v) of batch x head bh, output columns n0 + [0, 16 * MT) from this
+// warp's accumulators, after nblocks blocks: int64, or fp16 dequantized by the row and column
+// scales. Element j of m-tile mt is output row 2t + (j & 1) of the vector row and column
 // n0 + tile_col(mt, g + 8 * (j >> 1)). v is even, so a thread's two rows are both live or both not.
 template <class K, int MT>
-__device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<K, MT>& r, int bh, int vrow, int n0,
-                                                 int nblocks) {
+__device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<K, MT>& r, int bh, int vrow, int v,
+                                                 int n0, int nblocks) {
   constexpr int BB = K::kBBits;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int v = p.v;
   const int ncols = p.n - n0;
   const bool rows_live = 2 * t < v;
   const int64_t orow = (int64_t)bh * p.m + (int64_t)vrow * v + 2 * t;
@@ -531,9 +533,189 @@ __device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<K
   }
 }
 
-template <int AB, bool AS, int BB, bool FAST, int TB, int STACK>
+// Four V 2 rows merged into one V 8 row (spmm_kernel's MERGE). At high sparsity a V 2 row is a
+// block or three long, and the gather kernel's CTAs spend much of their time filling and draining
+// the pipeline, and multiplying padding, rather than gathering; four rows' union has about as many
+// columns as the four together (at density d, 1 - (1 - d)^4 against 4 d), so it gathers about as
+// many rows of B, in a quarter as many CTAs four times as long, and fills the MMA's eight columns
+// where V 2 fills two. The CTA builds the union in shared memory: every kept column sets its bit
+// in a bitmap of K bits, and a scan of the bitmap's words numbers the union's columns in ascending
+// order (a column's rank: its word's prefix and the bits below it). The union is then multiplied
+// in windows of p.merge_slots ranks (one, where the host sized it from the longest row; a wrong
+// hint only costs windows): the window's columns, and each kept slot's two values at its rank, in
+// rows 2j and 2j + 1 of merged row j (zero where a row lacks the column), laid out as a V 8 row's
+// blocks. The dynamic shared memory holds, in this order: the window's values (merge_slots /
+// kSlots blocks of 8 sparse rows), its columns (merge_slots, -1 past the union), the bitmap and
+// the prefixes (K / 32 words, rounded up, each). (Loading the first window's values with the
+// columns, before the scan, in registers, took 1.04x the time; kernel_checks.md, fifty-second
+// round.)
+template <class K>
+struct MergedRows {
+  static constexpr int kRowBytes = K::kSparseRowBytes;
+  static constexpr int kBlockBytes = 8 * kRowBytes;
+  uint8_t* values;
+  int* cols;
+  uint32_t* bitmap;
+  int* prefix;
+  int words;
+  int start[4], ends[4];  // row j's first slot, and the end of its padded slots among the four's
+
+  __device__ __forceinline__ MergedRows(const Params& p, int group, uint8_t* smem)
+      : values(smem),
+        cols(reinterpret_cast<int*>(smem + p.merge_slots / kSlots * kBlockBytes)),
+        bitmap(reinterpret_cast<uint32_t*>(cols + p.merge_slots)),
+        words((p.k + 31) / 32) {
+    prefix = reinterpret_cast<int*>(bitmap + words);
+    int total = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      start[j] = p.row_ptr[2 * (4 * group + j)];
+      total += (p.row_ptr[2 * (4 * group + j) + 1] - start[j] + kSlots - 1) / kSlots * kSlots;
+      ends[j] = total;
+    }
+  }
+
+  // Slot e of the four rows' padded slots (padding, -1, may lie among a last block's kept slots
+  // in int4-shuffled patterns, so every padded slot is looked at), as row j and slot of col_idx.
+  __device__ __forceinline__ int slot(int e, int& j) const {
+    // Selects, not indexing by j, which would put the arrays in local memory.
+    int first = start[0], before = 0;
+    j = 0;
+#pragma unroll
+    for (int i = 1; i < 4; ++i)
+      if (e >= ends[i - 1]) j = i, first = start[i], before = ends[i - 1];
+    return first + e - before;
+  }
+
+  // The two values of slot s (rows 0 and 1 of its vector), as stored, in one word.
+  __device__ __forceinline__ static uint32_t load_pair(const Params& p, int bh, int s) {
+    const uint8_t* src = p.a + bh * p.a_bh_bytes + (int64_t)(s / kSlots) * 2 * kRowBytes;
+    if constexpr (K::kABits == 4) {
+      // Slot x's nibble is byte x / 2 of its row, the low one for even x.
+      const int shift = 4 * (s & 1), byte = (s % kSlots) / 2;
+      return (src[byte] >> shift & 0xFu) | (src[kRowBytes + byte] >> shift & 0xFu) << 4;
+    } else if constexpr (K::kABits == 8) {
+      return src[s % kSlots] | uint32_t{src[kRowBytes + s % kSlots]} << 8;
+    } else {
+      const uint16_t* x = reinterpret_cast<const uint16_t*>(src);
+      return x[s % kSlots] | uint32_t{x[kRowBytes / 2 + s % kSlots]} << 16;
+    }
+  }
+
+  // Stores a pair (load_pair) at rank u of the window, merged row j (values zero before).
+  __device__ __forceinline__ void store_pair(int u, int j, uint32_t pair) const {
+    uint8_t* dst = values + u / kSlots * kBlockBytes + 2 * j * kRowBytes;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if constexpr (K::kABits == 4) {
+        const int byte = r * kRowBytes + (u % kSlots) / 2;
+        atomicOr(reinterpret_cast<uint32_t*>(dst + (byte & ~3)),
+                 (pair >> (4 * r) & 0xFu) << (8 * (byte & 3) + 4 * (u & 1)));
+      } else if constexpr (K::kABits == 8) {
+        dst[r * kRowBytes + u % kSlots] = static_cast<uint8_t>(pair >> (8 * r));
+      } else {
+        reinterpret_cast<uint16_t*>(dst + r * kRowBytes)[u % kSlots] = static_cast<uint16_t>(pair >> (16 * r));
+      }
+    }
+  }
+
+  // Rank of column c in the window that starts at rank `first`.
+  __device__ __forceinline__ int rank(int c, int first) const {
+    return prefix[c >> 5] + __popc(bitmap[c >> 5] & ((1u << (c & 31)) - 1)) - first;
+  }
+
+  // The thread's run of the bitmap's words.
+  __device__ __forceinline__ void own_words(int& w0, int& w1) const {
+    const int per_thread = (words + kThreads - 1) / kThreads;
+    w0 = min(static_cast<int>(threadIdx.x) * per_thread, words);
+    w1 = min(w0 + per_thread, words);
+  }
+
+  // Zeroes the values of a window of `size` ranks, marks its padding and writes the columns of the
+  // thread's words that fall in it.
+  __device__ __forceinline__ void lay_out(int first, int size) const {
+    const int tid = threadIdx.x;
+    const int padded = (size + kSlots - 1) / kSlots * kSlots;
+    uint4* zero = reinterpret_cast<uint4*>(values);
+    for (int i = tid; i < padded / kSlots * kBlockBytes / 16; i += kThreads) zero[i] = make_uint4(0, 0, 0, 0);
+    for (int i = size + tid; i < padded; i += kThreads) cols[i] = -1;
+    int w0, w1;
+    own_words(w0, w1);
+    for (int w = w0; w < w1; ++w) {
+      int r = prefix[w] - first;
+      if (r >= size || r + __popc(bitmap[w]) <= 0) continue;
+      for (uint32_t bits = bitmap[w]; bits && r < size; bits &= bits - 1, ++r)
+        if (r >= 0) cols[r] = 32 * w + __ffs(bits) - 1;
+    }
+  }
+
+  // The values of the four rows' slots that fall in the window.
+  __device__ __forceinline__ void store_values(const Params& p, int bh, int first, int size) const {
+    for (int e = threadIdx.x; e < ends[3]; e += kThreads) {
+      int j;
+      const int s = slot(e, j);
+      const int c = p.col_idx[s];
+      const int u = c < 0 ? -1 : rank(c, first);
+      if (u >= 0 && u < size) store_pair(u, j, load_pair(p, bh, s));
+    }
+  }
+
+  // The bitmap and the prefixes; returns the union's length.
+  __device__ __forceinline__ int build(const Params& p) {
+    __shared__ int warp_totals[kWarps];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int i = tid; i < words; i += kThreads) bitmap[i] = 0;
+    __syncthreads();
+    for (int e = tid; e < ends[3]; e += kThreads) {
+      int j;
+      const int c = p.col_idx[slot(e, j)];
+      if (c >= 0) atomicOr(bitmap + (c >> 5), 1u << (c & 31));
+    }
+    __syncthreads();
+    // Exclusive scan of the words' bit counts, a run of words a thread.
+    int w0, w1;
+    own_words(w0, w1);
+    int own = 0;
+    for (int w = w0; w < w1; ++w) own += __popc(bitmap[w]);
+    int incl = own;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    if (lane == 31) warp_totals[warp] = incl;
+    __syncthreads();
+    int before = incl - own, length = 0;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) {
+      before += i < warp ? warp_totals[i] : 0;
+      length += warp_totals[i];
+    }
+    for (int w = w0; w < w1; ++w) {
+      prefix[w] = before;
+      before += __popc(bitmap[w]);
+    }
+    return length;
+  }
+
+  // Lays out the window of ranks [first, first + merge_slots) of a union of `length` columns (the
+  // shared memory of the window before it no longer read); returns its size.
+  __device__ __forceinline__ int window(const Params& p, int bh, int first, int length) const {
+    const int size = min(p.merge_slots, length - first);
+    lay_out(first, size);
+    __syncthreads();
+    store_values(p, bh, first, size);
+    __syncthreads();
+    return size;
+  }
+};
+
+// MERGE: the CTA takes V 2 rows 4x .. 4x + 3 (x = blockIdx.x) as one V 8 row (MergedRows), window
+// by window, and reads the sparse values from shared memory, not through the pipeline.
+template <int AB, bool AS, int BB, bool FAST, int TB, int STACK, bool MERGE>
 __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   using K = Kind<AB, AS, BB, TB, STACK>;
+  static_assert(!MERGE || (FAST && STACK == 0 && !K::kFp16), "rows merge in the fast integer kernel");
   constexpr int kTileBytes = K::kTileBytes;
   constexpr int kChunks = K::kChunks;
   constexpr int kCopyRows = K::kCopyRows;
@@ -541,21 +723,23 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   constexpr int kSparseStage = 8 * K::kSparseRowBytes;
   constexpr int kStageBytes = kDenseStage + kSparseStage;
   __shared__ __align__(128) uint8_t smem[kStages * kStageBytes];
+  extern __shared__ __align__(16) uint8_t merged[];
 
   await_inputs();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int vrow = p.row_order[blockIdx.x];
+  const int vrow = MERGE ? blockIdx.x : p.row_order[blockIdx.x];
   const int bh = blockIdx.z;
-  const int v = p.v;
-  const int start = p.row_ptr[2 * vrow];
-  const int count = p.row_ptr[2 * vrow + 1] - start;
-  const int nblocks = (count + kSlots - 1) / kSlots;
+  const int v = MERGE ? 8 : p.v;
+  const int start = MERGE ? 0 : p.row_ptr[2 * vrow];
+  // MERGE: the union's length, and the current window's blocks.
+  const int count = MERGE ? MergedRows<K>(p, vrow, merged).build(p) : p.row_ptr[2 * vrow + 1] - start;
+  int nblocks = (count + kSlots - 1) / kSlots;
   const int col0_bytes = blockIdx.y * kTileBytes;
 
   const uint8_t* a_bh = p.a + bh * p.a_bh_bytes + (int64_t)start * v * K::kSparseRowBytes / kSlots;
   const uint8_t* b_bh = p.b + bh * p.b_bh_bytes;
-  const int* cols = p.col_idx + start;
+  const int* cols = MERGE ? MergedRows<K>(p, vrow, merged).cols : p.col_idx + start;
   const uint32_t smem0 = smem_addr(smem);
 
   // Copy roles: thread copies chunk `cchunk` of block slots cslot + q * kSlotStep.
@@ -615,7 +799,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
         for (int j = 0; j < 16; ++j) d[j] = (live && cbyte + j < p.row_bytes) ? src[j] : 0;
       }
     }
-    if (tid < sparse_chunks) {
+    if (!MERGE && tid < sparse_chunks) {
       const uint8_t* src = a_bh + (int64_t)blk * kSparseStage / 8 * v + tid * 16;
       cp_async16(stage + kDenseStage + tid * 16, src, 16);
     }
@@ -632,7 +816,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
 
   auto compute = [&](int blk) {
     const uint32_t stage = smem0 + (blk % kStages) * kStageBytes;
-    const uint32_t sparse0 = stage + kDenseStage;
+    const uint32_t sparse0 = MERGE ? smem_addr(merged) + blk * kSparseStage : stage + kDenseStage;
     const bool row_live = g < v;
     if constexpr (K::kFp16) {
 #pragma unroll
@@ -697,38 +881,52 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   // before its gather is issued.
   constexpr int kColsAhead = K::kColsAhead;
   int next_cols[kColsAhead][kCopyRows];
-#pragma unroll
-  for (int a = 0; a < kColsAhead; ++a)
-#pragma unroll
-    for (int q = 0; q < kCopyRows; ++q) next_cols[a][q] = -1;
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < nblocks) {
-      fetch_cols(s, next_cols[0]);
-      issue(s, next_cols[0]);
-    }
-    cp_async_commit();
-  }
-#pragma unroll
-  for (int a = 0; a < kColsAhead; ++a) fetch_cols(kStages - 1 + a, next_cols[a]);
   int since_fold = 0;
-  for (int it = 0; it < nblocks; ++it) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    if (it + kStages - 1 < nblocks) issue(it + kStages - 1, next_cols[0]);
-    cp_async_commit();
+  // MERGE: the blocks of the windows before, and the next window's first rank.
+  int blocks_before = 0, next_rank = 0;
+  do {
+    if constexpr (MERGE) {
+      nblocks = (MergedRows<K>(p, vrow, merged).window(p, bh, next_rank, count) + kSlots - 1) / kSlots;
+      next_rank += p.merge_slots;
+    }
 #pragma unroll
-    for (int a = 0; a + 1 < kColsAhead; ++a)
+    for (int a = 0; a < kColsAhead; ++a)
 #pragma unroll
-      for (int q = 0; q < kCopyRows; ++q) next_cols[a][q] = next_cols[a + 1][q];
-    fetch_cols(it + kStages - 1 + kColsAhead, next_cols[kColsAhead - 1]);
-    compute(it);
-    r.multiplied(1, since_fold);
-  }
+      for (int q = 0; q < kCopyRows; ++q) next_cols[a][q] = -1;
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < nblocks) {
+        fetch_cols(s, next_cols[0]);
+        issue(s, next_cols[0]);
+      }
+      cp_async_commit();
+    }
+#pragma unroll
+    for (int a = 0; a < kColsAhead; ++a) fetch_cols(kStages - 1 + a, next_cols[a]);
+    for (int it = 0; it < nblocks; ++it) {
+      cp_async_wait<kStages - 2>();
+      __syncthreads();
+      if (it + kStages - 1 < nblocks) issue(it + kStages - 1, next_cols[0]);
+      cp_async_commit();
+#pragma unroll
+      for (int a = 0; a + 1 < kColsAhead; ++a)
+#pragma unroll
+        for (int q = 0; q < kCopyRows; ++q) next_cols[a][q] = next_cols[a + 1][q];
+      fetch_cols(it + kStages - 1 + kColsAhead, next_cols[kColsAhead - 1]);
+      compute(it);
+      r.multiplied(1, since_fold);
+    }
+    if constexpr (MERGE) {
+      blocks_before += nblocks;
+      // The next window overwrites the ring and the union's shared memory.
+      if (next_rank < count) __syncthreads();
+    }
+  } while (MERGE && next_rank < count);
   allow_next_launch();
   // Every block that carried data was waited for in the loop, and the epilogue reads no shared
   // memory, so no barrier remains.
-  write_vector_row(p, r, bh, vrow, blockIdx.y * K::kTileCols + wchunk0 * K::kColsPerChunk, nblocks);
+  write_vector_row(p, r, bh, vrow, v, blockIdx.y * K::kTileCols + wchunk0 * K::kColsPerChunk,
+                   MERGE ? blocks_before : nblocks);
 }
 
 // Resident B (8- and 4-bit B): one CTA holds a 32-byte column slice of B[bh] for every k in shared
@@ -1002,7 +1200,7 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
         }
       }
       if (row.vrow >= 0)
-        write_vector_row(p, r, bh, row.vrow, blockIdx.y * K::kColsPerChunk * kChunks, row.nblocks);
+        write_vector_row(p, r, bh, row.vrow, p.v, blockIdx.y * K::kColsPerChunk * kChunks, row.nblocks);
     }
   }
 }

@@ -17,14 +17,14 @@ KINDS = [(8, 8, True), (8, 8, False), (4, 4, True), (16, 8, False), (16, 16, Tru
          (16, 4, False), (12, 4, True)]
 
 
-def check(g, p, emask, bh, k, n, v, a_bits, b_bits, a_signed) -> bool:
+def check(g, p, emask, bh, k, n, v, a_bits, b_bits, a_signed, longest_row=-1) -> bool:
     """The launches of one problem against the reference (integer operands: the int64 output and
-    the fp16 one); True where they agree."""
+    the fp16 one), the kernels given `longest_row`; True where they agree."""
     cuda = p.to("cuda")
 
     def agree(*args) -> bool:
         dev = [x.cuda() if isinstance(x, torch.Tensor) else x for x in args]
-        got = torch.ops.magicube_cuda.spmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev).cpu()
+        got = torch.ops.magicube_cuda.spmm(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev, longest_row).cpu()
         want = torch.ops.magicube.spmm(p.row_ptr, p.col_idx, p.row_order, *args)
         if a_bits == 0:
             return torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
@@ -47,8 +47,9 @@ def main() -> int:
     bad = 0
     g = torch.Generator().manual_seed(0)
     # Every way: the gather kernel with 16-bit A's planes stacked (V 2, 16-byte rows; unsigned and
-    # 12-bit A's at V 4), the resident-B kernel (8- and 4-bit B on 16-byte rows) and the dense path
-    # (integer operands) run on problems this small only when asked for; on Hopper also the dense
+    # 12-bit A's at V 4) and on V 2 rows merged four at a time (below), the resident-B kernel (8-
+    # and 4-bit B on 16-byte rows) and the dense path (integer operands) run on problems this
+    # small only when asked for; on Hopper also the dense
     # path with its wgmma GEMM, whose smaller tile runs here when forced (within one wave, its
     # deeper ring), its larger one on the first batched problem at the end (12 x 3 x 3 tiles) and,
     # with one plane product, its smaller tile past one wave on the second (40 x 2 x 2 tiles), each
@@ -74,9 +75,22 @@ def main() -> int:
                     if not check(g, p, vm.to_dense(), 2, 130, n, v, a_bits, b_bits, a_signed):
                         bad += 1
                         print(f"MISMATCH {kernel} v={v} n={n} a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
-    # The tuned choice: every way that applies runs, timed, before the fastest (V 2, N = 160).
+    # V 2 rows merged four at a time, an empty row and a full one among them: the union in one
+    # window, and (the longest row understated) in windows of 32 columns.
+    os.environ["MAGICUBE_SPMM_KERNEL"] = "merged"
+    mask = random_vector_mask(16, 130, 2, 0.7, seed=4).mask.clone()
+    mask[1], mask[6] = False, True
+    vm = VectorMask(mask, 2)
+    p = SRBCRS.from_mask(vm, stride=32)
+    for n, hint in ((64, p.longest_row), (160, 0)):
+        for a_bits, b_bits, a_signed in KINDS:
+            if not check(g, p, vm.to_dense(), 2, 130, n, 2, a_bits, b_bits, a_signed, hint):
+                bad += 1
+                print(f"MISMATCH merged: n={n} longest_row={hint} a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
+    # The tuned choice: every way that applies runs, timed, before the fastest (V 2, N = 160; the
+    # rows merge).
     os.environ["MAGICUBE_SPMM_KERNEL"] = "tuned"
-    vm = random_vector_mask(10, 130, 2, 0.7, seed=2)
+    vm = random_vector_mask(16, 130, 2, 0.7, seed=2)
     p = SRBCRS.from_mask(vm, stride=32)
     for a_bits, b_bits, a_signed in KINDS:
         if not check(g, p, vm.to_dense(), 2, 130, 160, 2, a_bits, b_bits, a_signed):

@@ -55,6 +55,16 @@ def _kernels_run(*shape, call=None):
     return [e.name for e in prof.events()]
 
 
+def _gather_instance(*shape):
+    """The template arguments of the one gather kernel that a call launched (_problem's
+    arguments): AB, AS, BB, FAST, TB, STACK, MERGE."""
+    names = _kernels_run(*shape)
+    gathers = [name for name in names if WAY_KERNELS["gather"] in name]
+    others = [name for name in names for way in ("resident", "dense") if WAY_KERNELS[way] in name]
+    assert len(gathers) == 1 and not others, names
+    return gathers[0].split(WAY_KERNELS["gather"])[1].split(">")[0].split(", ")
+
+
 def _ways_run(*shape, call=None):
     """The ways that one call launched (_kernels_run's arguments)."""
     names = _kernels_run(*shape, call=call)
@@ -132,10 +142,34 @@ def test_stacked_planes(kernels, monkeypatch, case):
     case names."""
     *shape, way, stack = case
     monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", way)
-    names = _kernels_run(*shape)
-    gathers = [name for name in names if WAY_KERNELS["gather"] in name]
-    assert _ways_run(*shape) == {"gather"} and len(gathers) == 1, names
-    assert gathers[0].split(">")[0].endswith(f", {stack}"), gathers
+    *_, stacked, merged = _gather_instance(*shape)
+    assert (stacked, merged) == (str(stack), "false")
+
+
+# (a_bits, b_bits, V, sparsity, M = K, N, MAGICUBE_SPMM_KERNEL, whether the gather kernel merges V 2
+# rows four at a time): by default on 8- and 16-bit B of N 256 or more, rows of at most four blocks
+# on the mean and three merged CTAs an SM or more (512 here, on GPUs of up to 170 SMs), not on rows
+# of seven blocks (M = K = 4096, sparsity 0.95) nor on a grid of 256 CTAs; `merged` merges wherever
+# M is a multiple of 8, `gather` never.
+MERGE_CASES = {
+    "L8-R8": (8, 8, 2, 0.98, 4096, 256, "auto", True),
+    "L16-R16-two-tiles": (16, 16, 2, 0.95, 2048, 256, "auto", True),
+    "L8-R8-long-rows": (8, 8, 2, 0.95, 4096, 256, "auto", False),
+    "L16-R8-few-ctas": (16, 8, 2, 0.95, 2048, 256, "auto", False),
+    "L8-R8-merged": (8, 8, 2, 0.9, 1024, 64, "merged", True),
+    "L8-R8-merged-m-not-multiple-of-8": (8, 8, 2, 0.9, 1004, 64, "merged", False),
+    "L8-R8-gather": (8, 8, 2, 0.98, 4096, 256, "gather", False),
+}
+
+
+@pytest.mark.parametrize("case", MERGE_CASES.values(), ids=MERGE_CASES.keys())
+def test_merged_rows(kernels, monkeypatch, case):
+    """The gather kernel runs, merging V 2 rows (its last template argument, MERGE, and then its
+    planes not stacked) where the case says."""
+    *shape, way, merged = case
+    monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", way)
+    *_, stacked, merge = _gather_instance(*shape)
+    assert merge == str(merged).lower() and (stacked == "0" or not merged)
 
 
 # (a_bits, b_bits, V, sparsity, M = K, N, the ways the tuned choice may take): cells where the

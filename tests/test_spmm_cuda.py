@@ -9,7 +9,7 @@ fp32 accumulation plus one fp16 rounding, measured against a float64 product.
 import pytest
 import torch
 
-from conftest import load_kernels, poison_allocator, problem, random_ints, reordered
+from conftest import load_kernels, poison_allocator, problem, random_ints, reordered, with_columns_shuffled
 from magicube.ops import SRBCRS, VectorMask, qrange, to_container
 
 pytestmark = [pytest.mark.gpu,
@@ -35,17 +35,18 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-@pytest.fixture(autouse=True, params=["gather", "stacked", "resident", "dense", "dense_wgmma"])
+@pytest.fixture(autouse=True, params=["gather", "stacked", "merged", "resident", "dense", "dense_wgmma"])
 def spmm_kernel(request, monkeypatch):
     """Each test of integer operands runs every way the op computes: the gather kernel, with 12- and
     16-bit A's planes in two MMAs and (at V 2, and at V 4 unsigned 16-bit A's and 12-bit A's as
-    digits) stacked into one, which the automatic choice takes on larger problems than these, the
+    digits) stacked into one, which the automatic choice takes on larger problems than these, and
+    on V 2 rows merged four at a time into V 8 rows, which it takes at high sparsity, the
     resident-B kernel (8- or 4-bit B), which it takes on narrow B, and the dense path, which it
     takes at low V and sparsity, with its GEMM chosen by size (on problems this small the mma.sync
     one) and, on Hopper, with the wgmma GEMM forced. Where the one forced does not apply (stacking
-    at V 8, signed 16-bit A's at V 4, or on 8-bit B's narrow tile, the resident kernel on dense rows
-    not on 16 bytes or B's slice past shared memory, the dense path past its K) the gather kernel
-    runs."""
+    at V 8, signed 16-bit A's at V 4, or on 8-bit B's narrow tile, merging at V 4 and 8 or where M
+    is not a multiple of 8 or on dense rows not on 16 bytes, the resident kernel on such rows or
+    B's slice past shared memory, the dense path past its K) the gather kernel runs."""
     callspec = getattr(request.node, "callspec", None)
     b_bits = callspec.params.get("b_bits") if callspec else None
     a_bits = callspec.params.get("a_bits") if callspec else None
@@ -53,8 +54,8 @@ def spmm_kernel(request, monkeypatch):
         pytest.skip("the gather kernel stacks the planes of 12- and 16-bit A")
     if request.param == "resident" and b_bits not in (8, 4):
         pytest.skip("the resident-B kernel takes 8- and 4-bit B")
-    if request.param.startswith("dense") and b_bits is None:
-        pytest.skip("the dense path takes integer operands")
+    if (request.param == "merged" or request.param.startswith("dense")) and b_bits is None:
+        pytest.skip(f"the {request.param} way takes integer operands")
     if request.param == "dense_wgmma" and not _hopper():
         pytest.skip("the wgmma GEMM runs on Hopper")
     monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", request.param)
@@ -142,6 +143,31 @@ def test_dense_expansion_groups(kernels, a_bits, b_bits, a_signed, bh, rows, v):
     k, n = 200, 40
     p, emask = problem(bh, rows, k, v, 0.7, seed=5)
     _assert_exact(kernels, p, emask, bh, k, n, v, a_bits, a_signed, b_bits, torch.Generator().manual_seed(9))
+
+
+@pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
+def test_merged_rows(kernels, spmm_kernel, a_bits, b_bits, a_signed):
+    """V 2 rows merged four at a time (one CTA multiplies their union as a V 8 row): an empty row,
+    a full one and rows of unequal length; K of several bitmap words a thread (5000) and of a
+    partial word (333), int4-shuffled patterns and columns in any order; N of the narrow and the
+    wide tile, partly filled. With the longest row given, not known (-1), and understated (0 and
+    3), so that the union comes in windows of 32 or 64 columns, whose sums carry over. Every M / V
+    a multiple of 4, so that every row merges."""
+    if spmm_kernel != "merged":
+        pytest.skip("the merged way's own problems")
+    g = torch.Generator().manual_seed(a_bits * 10 + b_bits)
+    for i, (bh, rows, k, n, sparsity) in enumerate([(2, 8, 333, 64, 0.8), (1, 12, 5000, 160, 0.95),
+                                                    (3, 4, 700, 288, 0.5)]):
+        p, emask = problem(bh, rows, k, 2, sparsity, seed=i, shuffle=bool(i % 2))
+        if i == 2:
+            p = with_columns_shuffled(p, g)
+        a_values, b = _inputs(p, emask, bh, k, n, a_bits, a_signed, b_bits, g)
+        sa, sb = _scales(bh, p.m, n, g, a_bits, b_bits)
+        for hint in (p.longest_row, -1, 0, 3):
+            got, want = _run(kernels, p, a_values, b, None, None, 2, a_bits, a_signed, b_bits, torch.int64, hint)
+            assert torch.equal(got, want), f"problem {i}, longest_row={hint}: {(got != want).sum()} mismatches"
+        got, want = _run(kernels, p, a_values, b, sa, sb, 2, a_bits, a_signed, b_bits, torch.float16, 0)
+        assert torch.equal(got, want), f"problem {i}: fp16 output differs"
 
 
 @pytest.mark.parametrize("v, n", [(8, 40), (2, 160), (4, 160)])
