@@ -77,9 +77,9 @@ void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t strea
                               dim3(kThreads), static_cast<size_t>(smem), stream, p);
 }
 
-// The most columns of V 2 rows merged four at a time (launch_merged) that one window holds (16 KB
-// of 16-bit values).
-constexpr int64_t kMergeSlots = 1024;
+// The most blocks of V 2 rows merged four at a time (launch_merged) that one window holds (1024
+// columns, 16 KB of 16-bit values).
+constexpr int64_t kMergeBlocks = 32;
 
 // The dynamic shared memory of the gather kernel on V 2 rows merged four at a time
 // (spmm_kernel.cuh: merge_four_rows): the union's values and columns, and a bitmap of K bits with
@@ -87,12 +87,12 @@ constexpr int64_t kMergeSlots = 1024;
 template <int AB>
 int64_t merge_smem(const Params& p) {
   const int64_t words = (static_cast<int64_t>(p.k) + 31) / 32;
-  return int64_t{p.merge_slots} / kSlots * 8 * magicube::spmm_detail::Kind<AB, true, 8>::kSparseRowBytes +
-         int64_t{p.merge_slots} * 4 + 2 * words * 4;
+  constexpr int64_t kBlockBytes = 8 * magicube::spmm_detail::Kind<AB, true, 8>::kSparseRowBytes + kSlots * 4;
+  return int64_t{p.merge_blocks} * kBlockBytes + 2 * words * 4;
 }
 
 // The gather kernel on V 2 rows merged four at a time (spmm_kernel.cuh: MergedRows), where
-// p.merge_slots says it applies (V 2, M a multiple of 8), its shared memory fits and it is asked
+// p.merge_blocks says it applies (V 2, M a multiple of 8), its shared memory fits and it is asked
 // for or pays: 8- or 16-bit B of N 256 or more, rows of at most four blocks on the mean, and three
 // merged CTAs an SM or more. There, on an H200, it took 0.76-1.00x the time of the choice before it (17
 // cells of the seven pairs at V 2, M = K 512-4096, N 128-512, sparsity 0.7-0.98, BH 1: M = K 2048
@@ -104,7 +104,7 @@ bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, 
   if constexpr (AB == 0) {
     return false;
   } else {
-    if (p.merge_slots < 0 || (choice != Choice::kMerged && choice != Choice::kAuto)) return false;
+    if (p.merge_blocks < 0 || (choice != Choice::kMerged && choice != Choice::kAuto)) return false;
     constexpr auto kernel = magicube::spmm_detail::spmm_kernel<AB, AS, BB, true, TB, 0, true>;
     const int64_t smem = merge_smem<AB>(p);
     if (smem > magicube::max_dynamic_smem<kernel>()) return false;
@@ -730,12 +730,10 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   p.balance = magicube::long_rows(nnz_pad, vrows, longest_row, kSlots).candidates > 0;
   // V 2 rows merge four at a time (launch_merged) into a union of at most four rows' columns (of
   // all slots where the longest row is not known) and at most K, multiplied in windows of up to
-  // kMergeSlots columns.
+  // kMergeBlocks blocks.
   const int64_t union_bound = std::min(longest_row >= 0 ? 4 * longest_row : nnz_pad, k);
-  p.merge_slots = v == 2 && vrows % 4 == 0
-                      ? static_cast<int>(std::clamp<int64_t>((union_bound + kSlots - 1) / kSlots * kSlots, kSlots,
-                                                             kMergeSlots))
-                      : -1;
+  const int64_t union_blocks = std::clamp<int64_t>((union_bound + kSlots - 1) / kSlots, 1, kMergeBlocks);
+  p.merge_blocks = static_cast<int8_t>(v == 2 && vrows % 4 == 0 ? union_blocks : -1);
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool fast = copy_bytes == 16;
@@ -770,7 +768,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
     auto candidates = [&] {
       std::vector<Choice> ways{Choice::kGather};
       if (fast && can_stack(a_bits, a_signed, v)) ways.push_back(Choice::kStacked);
-      if (fast && p.merge_slots >= 0) ways.push_back(Choice::kMerged);
+      if (fast && p.merge_blocks >= 0) ways.push_back(Choice::kMerged);
       if (fast && b_bits != 16) ways.push_back(Choice::kResident);
       const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits, bh, false);
       if (d.applies() && d.fits(bh)) ways.push_back(Choice::kDense);

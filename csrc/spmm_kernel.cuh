@@ -88,9 +88,11 @@ struct Params {
   // Resident-B kernel: warps take rows of about equal work (some row may be long, or it is not
   // known), else every warps-th row.
   bool balance;
-  // Gather kernel, V 2 rows merged four at a time (spmm_kernel's MERGE): the union's slots that
-  // its dynamic shared memory holds, a multiple of kSlots.
-  int merge_slots;
+  // Gather kernel, V 2 rows merged four at a time (spmm_kernel's MERGE): the blocks of the union
+  // that its dynamic shared memory holds (a window; at most 32, -1 where rows do not merge). One
+  // byte, where the bools leave room: the struct's size, and the other kernels' code, stay as
+  // they were (an int field changed the fp16 kernel's SASS, a 16-bit one the L16-R8 kernel's).
+  int8_t merge_blocks;
 };
 
 // AB/BB: sparse/dense bits (16, 8, 4); 0/0 is the fp16 kernel. AS: sparse values signed. TB: bytes
@@ -541,11 +543,11 @@ __device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<K
 // where V 2 fills two. The CTA builds the union in shared memory: every kept column sets its bit
 // in a bitmap of K bits, and a scan of the bitmap's words numbers the union's columns in ascending
 // order (a column's rank: its word's prefix and the bits below it). The union is then multiplied
-// in windows of p.merge_slots ranks (one, where the host sized it from the longest row; a wrong
+// in windows of p.merge_blocks blocks (one, where the host sized it from the longest row; a wrong
 // hint only costs windows): the window's columns, and each kept slot's two values at its rank, in
 // rows 2j and 2j + 1 of merged row j (zero where a row lacks the column), laid out as a V 8 row's
-// blocks. The dynamic shared memory holds, in this order: the window's values (merge_slots /
-// kSlots blocks of 8 sparse rows), its columns (merge_slots, -1 past the union), the bitmap and
+// blocks. The dynamic shared memory holds, in this order: the window's values (merge_blocks
+// blocks of 8 sparse rows), its columns (kSlots a block, -1 past the union), the bitmap and
 // the prefixes (K / 32 words, rounded up, each). (Loading the first window's values with the
 // columns, before the scan, in registers, took 1.04x the time; kernel_checks.md, fifty-second
 // round.)
@@ -562,8 +564,8 @@ struct MergedRows {
 
   __device__ __forceinline__ MergedRows(const Params& p, int group, uint8_t* smem)
       : values(smem),
-        cols(reinterpret_cast<int*>(smem + p.merge_slots / kSlots * kBlockBytes)),
-        bitmap(reinterpret_cast<uint32_t*>(cols + p.merge_slots)),
+        cols(reinterpret_cast<int*>(smem + p.merge_blocks * kBlockBytes)),
+        bitmap(reinterpret_cast<uint32_t*>(cols + p.merge_blocks * kSlots)),
         words((p.k + 31) / 32) {
     prefix = reinterpret_cast<int*>(bitmap + words);
     int total = 0;
@@ -698,10 +700,10 @@ struct MergedRows {
     return length;
   }
 
-  // Lays out the window of ranks [first, first + merge_slots) of a union of `length` columns (the
-  // shared memory of the window before it no longer read); returns its size.
+  // Lays out the window of ranks [first, first + merge_blocks * kSlots) of a union of `length`
+  // columns (the shared memory of the window before it no longer read); returns its size.
   __device__ __forceinline__ int window(const Params& p, int bh, int first, int length) const {
-    const int size = min(p.merge_slots, length - first);
+    const int size = min(p.merge_blocks * kSlots, length - first);
     lay_out(first, size);
     __syncthreads();
     store_values(p, bh, first, size);
@@ -887,7 +889,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   do {
     if constexpr (MERGE) {
       nblocks = (MergedRows<K>(p, vrow, merged).window(p, bh, next_rank, count) + kSlots - 1) / kSlots;
-      next_rank += p.merge_slots;
+      next_rank += p.merge_blocks * kSlots;
     }
 #pragma unroll
     for (int a = 0; a < kColsAhead; ++a)
@@ -924,8 +926,8 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   } while (MERGE && next_rank < count);
   allow_next_launch();
   // Every block that carried data was waited for in the loop, and the epilogue reads no shared
-  // memory, so no barrier remains.
-  write_vector_row(p, r, bh, vrow, v, blockIdx.y * K::kTileCols + wchunk0 * K::kColsPerChunk,
+  // memory, so no barrier remains. (V read again, not held through the loop in a register.)
+  write_vector_row(p, r, bh, vrow, MERGE ? 8 : p.v, blockIdx.y * K::kTileCols + wchunk0 * K::kColsPerChunk,
                    MERGE ? blocks_before : nblocks);
 }
 
