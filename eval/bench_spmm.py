@@ -60,13 +60,16 @@ def gathered_bytes(kernel: str, m: int, k: int, n: int, v: int, density: float) 
 def ways_of(a_bits: int, b_bits: int, v: int) -> list[str]:
     """The ways MAGICUBE_SPMM_KERNEL can force on an integer pair of the sweep (signed A) at V v: the
     gather kernel, its stacked form (12- and 16-bit A at V 2, 12-bit A at V 4; unsigned 16-bit A
-    would stack at V 4 too), the resident-B kernel (8- and 4-bit B) and the dense path. Where a
-    forced way does not apply to a problem (the resident kernel's slice of B past shared memory,
-    products past int32 on the dense path, stacking on 8-bit B's narrow tile) the op runs the
-    gather kernel instead."""
+    would stack at V 4 too), its merged form (V 2 rows four at a time), the resident-B kernel (8-
+    and 4-bit B) and the dense path. Where a forced way does not apply to a problem (the resident
+    kernel's slice of B past shared memory, products past int32 on the dense path, stacking on
+    8-bit B's narrow tile, merging where M is not a multiple of 8) the op runs the gather kernel
+    instead."""
     ways = ["gather"]
     if (a_bits >= 12 and v == 2) or (a_bits == 12 and v == 4):
         ways.append("stacked")
+    if v == 2:
+        ways.append("merged")
     if b_bits != 16:
         ways.append("resident")
     return ways + ["dense"]

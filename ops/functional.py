@@ -60,10 +60,11 @@ def spmm(pattern: SRBCRS, a_values: torch.Tensor, b: torch.Tensor, *, a_bits: in
     sparsity), A and B expanded to byte planes for a dense int8 GEMM (cuBLAS's for one signed plane
     each on small problems, else the project's own, on wgmma on Hopper); the op picks by estimated
     time, and the environment variable
-    MAGICUBE_SPMM_KERNEL=gather|stacked|resident|dense|dense_wgmma forces one where it applies
-    (stacked: the gather kernel with 16-bit A's two byte planes in one MMA, at V 2, and at V 4
-    unsigned 16-bit A's planes and 12-bit A's two digits), or MAGICUBE_SPMM_KERNEL=tuned times the
-    ways at a problem's first call and runs the fastest after.
+    MAGICUBE_SPMM_KERNEL=gather|stacked|merged|resident|dense|dense_wgmma forces one where it
+    applies (stacked: the gather kernel with 16-bit A's two byte planes in one MMA, at V 2, and at
+    V 4 unsigned 16-bit A's planes and 12-bit A's two digits; merged: the gather kernel on V 2 rows
+    four at a time, as V 8 rows of their columns' union, where M is a multiple of 8), or
+    MAGICUBE_SPMM_KERNEL=tuned times the ways at a problem's first call and runs the fastest after.
     """
     p = _pattern(pattern, b.device)
     if b.dim() != 3:

@@ -99,12 +99,13 @@ def test_attention_summary_reports_the_targets_gather_rate():
 
 
 def test_spmm_ways_are_those_that_apply_to_the_pair():
-    assert bench_spmm.ways_of(16, 8, 2) == ["gather", "stacked", "resident", "dense"]
+    assert bench_spmm.ways_of(16, 8, 2) == ["gather", "stacked", "merged", "resident", "dense"]
     assert bench_spmm.ways_of(12, 4, 4) == ["gather", "stacked", "resident", "dense"]
     assert bench_spmm.ways_of(16, 4, 4) == ["gather", "resident", "dense"]
     assert bench_spmm.ways_of(12, 4, 8) == ["gather", "resident", "dense"]
-    assert bench_spmm.ways_of(16, 16, 2) == ["gather", "stacked", "dense"]
+    assert bench_spmm.ways_of(16, 16, 2) == ["gather", "stacked", "merged", "dense"]
     assert bench_spmm.ways_of(8, 8, 8) == ["gather", "resident", "dense"]
+    assert bench_spmm.ways_of(8, 4, 2) == ["gather", "merged", "resident", "dense"]
 
 
 def test_spmm_summary_weighs_the_choice_against_the_fastest_way():
