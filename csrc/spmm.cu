@@ -94,11 +94,11 @@ int64_t merge_smem(const Params& p) {
 // The gather kernel on V 2 rows merged four at a time (spmm_kernel.cuh: MergedRows), where
 // p.merge_blocks says it applies (V 2, M a multiple of 8), its shared memory fits and it is asked
 // for or pays: 8- or 16-bit B of N 256 or more, rows of at most four blocks on the mean, and three
-// merged CTAs an SM or more. There, on an H200, it took 0.76-1.00x the time of the choice before it (17
-// cells of the seven pairs at V 2, M = K 512-4096, N 128-512, sparsity 0.7-0.98, BH 1: M = K 2048
-// and 4096 at sparsity 0.95 and 0.98), where the merged CTAs' union pays for its building; with
-// fewer CTAs, longer rows (two windows from 1024 columns) or 4-bit B (against the resident-B
-// kernel) up to 2-6x (kernel_checks.md, fifty-second round). Returns whether it ran.
+// merged CTAs an SM or more. There, on an H200, it took 0.77-1.01x the time of the choice before
+// it (the 17 such cells of 420: the seven pairs at V 2, M = K 512-4096, N 128-512, sparsity
+// 0.7-0.98, BH 1; mostly M = K 2048 and 4096 at sparsity 0.95 and 0.98), where the merged CTAs'
+// union pays for its building; with fewer CTAs, longer rows or 4-bit B (against the resident-B
+// kernel) up to 6.7x (kernel_checks.md, fifty-second round). Returns whether it ran.
 template <int AB, bool AS, int BB, int TB>
 bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice) {
   if constexpr (AB == 0) {
