@@ -82,7 +82,7 @@ void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t strea
 constexpr int64_t kMergeBlocks = 32;
 
 // The dynamic shared memory of the gather kernel on V 2 rows merged four at a time
-// (spmm_kernel.cuh: merge_four_rows): the union's values and columns, and a bitmap of K bits with
+// (spmm_kernel.cuh: MergedRows): the window's values and columns, and a bitmap of K bits with
 // a prefix for each of its words.
 template <int AB>
 int64_t merge_smem(const Params& p) {
