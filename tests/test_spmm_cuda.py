@@ -151,8 +151,8 @@ def test_merged_rows(kernels, spmm_kernel, a_bits, b_bits, a_signed):
     a full one and rows of unequal length; K of several bitmap words a thread (5000) and of a
     partial word (333), int4-shuffled patterns and columns in any order; N of the narrow and the
     wide tile, partly filled. With the longest row given, not known (-1), and understated (0 and
-    3), so that the union comes in windows of 32 or 64 columns, whose sums carry over. Every M / V
-    a multiple of 4, so that every row merges."""
+    3), so that the union comes in windows of 32 columns, whose sums carry over. Every M / V a
+    multiple of 4, so that every row merges."""
     if spmm_kernel != "merged":
         pytest.skip("the merged way's own problems")
     g = torch.Generator().manual_seed(a_bits * 10 + b_bits)
