@@ -81,16 +81,6 @@ void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t strea
 // columns, 16 KB of 16-bit values).
 constexpr int64_t kMergeBlocks = 32;
 
-// The dynamic shared memory of the gather kernel on V 2 rows merged four at a time
-// (spmm_kernel.cuh: MergedRows): the window's values and columns, and a bitmap of K bits with
-// a prefix for each of its words.
-template <int AB>
-int64_t merge_smem(const Params& p) {
-  const int64_t words = (static_cast<int64_t>(p.k) + 31) / 32;
-  constexpr int64_t kBlockBytes = 8 * magicube::spmm_detail::Kind<AB, true, 8>::kSparseRowBytes + kSlots * 4;
-  return int64_t{p.merge_blocks} * kBlockBytes + 2 * words * 4;
-}
-
 // The gather kernel on V 2 rows merged four at a time (spmm_kernel.cuh: MergedRows), where
 // p.merge_blocks says it applies (V 2, M a multiple of 8), its shared memory fits and it is asked
 // for or pays: 8- or 16-bit B of N 256 or more, rows of at most four blocks on the mean, and three
@@ -105,8 +95,9 @@ bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, 
     return false;
   } else {
     if (p.merge_blocks < 0 || (choice != Choice::kMerged && choice != Choice::kAuto)) return false;
-    constexpr auto kernel = magicube::spmm_detail::spmm_kernel<AB, AS, BB, true, TB, 0, true>;
-    const int64_t smem = merge_smem<AB>(p);
+    namespace sd = magicube::spmm_detail;
+    constexpr auto kernel = sd::spmm_kernel<AB, AS, BB, true, TB, 0, true>;
+    const int64_t smem = sd::MergedRows<sd::Kind<AB, AS, BB, TB>>::smem_bytes(p.merge_blocks, p.k);
     if (smem > magicube::max_dynamic_smem<kernel>()) return false;
     const int64_t ctas = vrows / 4 * ((p.row_bytes + TB - 1) / TB) * bh;
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;

@@ -555,6 +555,14 @@ template <class K>
 struct MergedRows {
   static constexpr int kRowBytes = K::kSparseRowBytes;
   static constexpr int kBlockBytes = 8 * kRowBytes;
+
+  // The dynamic shared memory of the layout above (the host sizes the launch by it).
+  __host__ __device__ static constexpr int64_t smem_bytes(int merge_blocks, int k) {
+    return int64_t{merge_blocks} * (kBlockBytes + kSlots * 4) + 2 * ((int64_t{k} + 31) / 32) * 4;
+  }
+
+  // The kernel constructs one for each step (build, each window) rather than keeping one through
+  // the main loop: the row bounds are loaded again, and no register holds them meanwhile.
   uint8_t* values;
   int* cols;
   uint32_t* bitmap;
