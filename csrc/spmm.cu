@@ -315,8 +315,14 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // (c3870c0), and with 12- and 16-bit A 1.05x again (forty-first round), so the dense estimates run
 // high by up to its saving; refitted on the faster expansion they chose no better (0.37 % against
 // these constants' 0.32 %, thirty-fifth round), nor did the two-plane pairs' expansion terms scaled
-// by 0.7-0.95 (0.38-0.61 % against 0.38-0.40 %, forty-first round's calibration).
-bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pad) {
+// by 0.7-0.95 (0.38-0.61 % against 0.38-0.40 %, forty-first round's calibration). 4-bit B's rows
+// go at 0.85 of the rate: there the way that runs instead is mostly the resident-B kernel, whose
+// products per byte of B are twice 8-bit B's, and the best of the other ways took 0.85-1.07x the
+// estimate by A's width and row width where 8-bit B's took 0.74-0.95x. Simulated over the
+// forty-ninth round's `--ways` sweep (53c8de1, H200, the dense path's times at the 0.961x it has
+// run since), that moved 16 of its 864 4-bit B cells from the resident kernel to the dense path at
+// 0.71-0.96x their time, none slower, and no M, N or V took longer (fifty-third round).
+bool dense_pays(const DenseShape& d, const Params& p, int64_t b_bits, int64_t bh, int64_t nnz_pad) {
   constexpr double kMega = 1e-6;
   if (!d.fits(bh)) return false;
   const double a_mb = 1.0 * d.a_planes * d.m_pad * d.k_pad * kMega;
@@ -330,7 +336,8 @@ bool dense_pays(const DenseShape& d, const Params& p, int64_t bh, int64_t nnz_pa
   const double values_m = 1.0 * nnz_pad * p.v * kMega;
   const double dense_us = 10.2 + (d.cublas() ? 2.0 * (bh - 1) : 0.0) +
                           bh * (0.35 * a_mb + per_gop * product_gop + 1.58 * values_m);
-  const double rate = p.row_bytes <= 64 ? 4.3 : p.row_bytes <= 128 ? 5.3 : p.row_bytes <= 256 ? 6.5 : 8.0;
+  const double rate = (p.row_bytes <= 64 ? 4.3 : p.row_bytes <= 128 ? 5.3 : p.row_bytes <= 256 ? 6.5 : 8.0) *
+                      (b_bits == 4 ? 0.85 : 1.0);
   const double gather_us = 3.5 + bh * nnz_pad * p.row_bytes * kMega / rate;
   return dense_us < gather_us;
 }
@@ -737,7 +744,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   auto run = [&](Choice way) {
     const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits, bh, way == Choice::kDenseWgmma);
     std::optional<Dense> dense;
-    if (d.applies() && (forces_dense(way) || (way == Choice::kAuto && dense_pays(d, p, bh, nnz_pad))))
+    if (d.applies() && (forces_dense(way) || (way == Choice::kAuto && dense_pays(d, p, b_bits, bh, nnz_pad))))
       dense = Dense{d, col_idx, out};
     if (a_bits == 8 && b_bits == 8) {
       launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, fast, a_bits, a_signed, way, dense);
