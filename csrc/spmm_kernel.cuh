@@ -535,6 +535,30 @@ __device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<K
   }
 }
 
+// Exclusive prefix sum of x over the CTA's threads (WARPS warps), through a word of shared memory
+// a warp (`warp_totals`); adds the CTA's sum to `total`. To run again, the CTA passes a barrier
+// first (the totals are still being read).
+template <int WARPS, typename T>
+__device__ __forceinline__ int cta_exclusive_scan(int x, T& total, int* warp_totals) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int incl = x;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) warp_totals[warp] = incl;
+  __syncthreads();
+  int before = 0, sum = 0;
+#pragma unroll
+  for (int i = 0; i < WARPS; ++i) {
+    before += i < warp ? warp_totals[i] : 0;
+    sum += warp_totals[i];
+  }
+  total += sum;
+  return before + incl - x;
+}
+
 // Four V 2 rows merged into one V 8 row (spmm_kernel's MERGE). At high sparsity a V 2 row is a
 // block or three long, and the gather kernel's CTAs spend much of their time filling and draining
 // the pipeline, and multiplying padding, rather than gathering; four rows' union has about as many
@@ -673,7 +697,7 @@ struct MergedRows {
   // The bitmap and the prefixes; returns the union's length.
   __device__ __forceinline__ int build(const Params& p) {
     __shared__ int warp_totals[kWarps];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     for (int i = tid; i < words; i += kThreads) bitmap[i] = 0;
     __syncthreads();
     for (int e = tid; e < ends[3]; e += kThreads) {
@@ -687,20 +711,8 @@ struct MergedRows {
     own_words(w0, w1);
     int own = 0;
     for (int w = w0; w < w1; ++w) own += __popc(bitmap[w]);
-    int incl = own;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += y;
-    }
-    if (lane == 31) warp_totals[warp] = incl;
-    __syncthreads();
-    int before = incl - own, length = 0;
-#pragma unroll
-    for (int i = 0; i < kWarps; ++i) {
-      before += i < warp ? warp_totals[i] : 0;
-      length += warp_totals[i];
-    }
+    int length = 0;
+    int before = cta_exclusive_scan<kWarps>(own, length, warp_totals);
     for (int w = w0; w < w1; ++w) {
       prefix[w] = before;
       before += __popc(bitmap[w]);
@@ -1022,25 +1034,10 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
     const int vr = p.row_order[pos];
     return (p.row_ptr[2 * vr + 1] - p.row_ptr[2 * vr] + kSlots - 1) / kSlots + 1;
   };
-  // Exclusive prefix of x over the CTA's threads; adds the CTA's sum to total.
   auto scan = [&](int x, int64_t& total) {
-    int incl = x;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += y;
-    }
-    if (lane == 31) warp_sums[warp] = incl;
+    const int before = cta_exclusive_scan<kResidentWarps>(x, total, warp_sums);
     __syncthreads();
-    int before = 0, sum = 0;
-#pragma unroll
-    for (int i = 0; i < kResidentWarps; ++i) {
-      before += i < warp ? warp_sums[i] : 0;
-      sum += warp_sums[i];
-    }
-    __syncthreads();
-    total += sum;
-    return before + incl - x;
+    return before;
   };
   const int w0 = blockIdx.x * kResidentWarps;
   int run0 = (w0 + warp) * per_warp, run1 = run0 + per_warp;  // the round robin
