@@ -25,9 +25,9 @@ def kernels():
     return load_kernels("spmm")
 
 
-def _problem(a_bits, b_bits, v, sparsity, mk, n, a_signed=True):
-    """One call of the integer SpMM on random operands (M = K = mk, BH 1, int64 output) and the
-    exact product it must return."""
+def _problem(a_bits, b_bits, v, sparsity, mk, n, a_signed=True, out_dtype=torch.int64):
+    """One call of the integer SpMM on random operands (M = K = mk, BH 1; int64 output, or fp16
+    dequantized by random scales) and the exact integer product."""
     g = torch.Generator(device="cuda").manual_seed(0)
     mask = random_vector_mask(mk, mk, v, sparsity, seed=1)
     p = SRBCRS.from_mask(mask, stride=32).to("cuda")
@@ -35,10 +35,13 @@ def _problem(a_bits, b_bits, v, sparsity, mk, n, a_signed=True):
     qb = random_ints((1, mk, n), b_bits, True, g)
     a_values = to_container(p.pack_values(qa), a_bits, a_signed)
     b = to_container(qb, b_bits)
+    fp16 = out_dtype == torch.float16
+    sa = torch.rand(1, mk, device="cuda", generator=g) if fp16 else None
+    sb = torch.rand(1, n, device="cuda", generator=g) if fp16 else None
 
     def call():
-        return torch.ops.magicube_cuda.spmm(p.row_ptr, p.col_idx, p.row_order, a_values, b, None, None, v, mk,
-                                            a_bits, a_signed, b_bits, torch.int64, p.longest_row)
+        return torch.ops.magicube_cuda.spmm(p.row_ptr, p.col_idx, p.row_order, a_values, b, sa, sb, v, mk,
+                                            a_bits, a_signed, b_bits, out_dtype, p.longest_row)
 
     # Exact in float64: every partial sum stays below 2^53.
     return call, (qa.double() @ qb.double()).long()
@@ -156,13 +159,15 @@ def test_stacked_planes(kernels, monkeypatch, case):
     assert (stacked, merged) == (str(stack), "false")
 
 
-# (a_bits, b_bits, V, sparsity, M = K, N, MAGICUBE_SPMM_KERNEL, whether the gather kernel merges V 2
-# rows four at a time): by default on 8- and 16-bit B of N 256 or more, rows of at most four blocks
-# on the mean and three merged CTAs an SM or more (512 here, on GPUs of up to 170 SMs), not on rows
-# of seven blocks (M = K = 4096, sparsity 0.95) nor on a grid of 256 CTAs; `merged` merges wherever
-# M is a multiple of 8, `gather` never.
+# (a_bits, b_bits, V, sparsity, M = K, N[, A signed, output dtype], MAGICUBE_SPMM_KERNEL, whether the
+# gather kernel merges V 2 rows four at a time): by default on N 256 or more (4-bit B: fp16 output
+# only), rows of at most four blocks on the mean and three merged CTAs an SM or more (512 here, on
+# GPUs of up to 170 SMs), not on rows of seven blocks (M = K = 4096, sparsity 0.95) nor on a grid
+# of 256 CTAs; `merged` merges wherever M is a multiple of 8, `gather` never.
 MERGE_CASES = {
     "L8-R8": (8, 8, 2, 0.98, 4096, 256, "auto", True),
+    "L16-R4-fp16": (16, 4, 2, 0.98, 4096, 256, True, torch.float16, "auto", True),
+    "L16-R4-int64": (16, 4, 2, 0.98, 4096, 256, True, torch.int64, "auto", False),
     "L16-R16-two-tiles": (16, 16, 2, 0.95, 2048, 256, "auto", True),
     "L8-R8-long-rows": (8, 8, 2, 0.95, 4096, 256, "auto", False),
     "L16-R8-few-ctas": (16, 8, 2, 0.95, 2048, 256, "auto", False),
