@@ -91,7 +91,8 @@ constexpr int64_t kMergeBlocks = 32;
 // fifty-second round). 4-bit B merges for fp16 output only: there it took 0.76-0.92x the time
 // where the rule takes it (BH 1, M = K = 4096, N 256, sparsity 0.98; BH 4, M = K = 1024, sparsity
 // 0.95 and 0.98: 0.61-0.84x), and with int64 output, four times the bytes, 1.02-1.24x (fifty-third
-// round). Where the resident-B kernel pays it runs first (launch_pair). Returns whether it ran.
+// round). With 4-bit B it runs before the resident-B kernel, with 8-bit B after it (launch_pair).
+// Returns whether it ran.
 template <int AB, bool AS, int BB, int TB>
 bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice) {
   if constexpr (AB == 0) {
@@ -324,7 +325,14 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // estimate by A's width and row width where 8-bit B's took 0.74-0.95x. Simulated over the
 // forty-ninth round's `--ways` sweep (53c8de1, H200, the dense path's times at the 0.961x it has
 // run since), that moved 16 of its 864 4-bit B cells from the resident kernel to the dense path at
-// 0.71-0.96x their time, none slower, and no M, N or V took longer (fifty-third round).
+// 0.71-0.96x their time, none slower, and no M, N or V took longer (fifty-third round). On our
+// wgmma GEMM the dense path has since run faster than its estimate: over the fifty-third round's
+// `--ways` sweep (9c3bcc9) it took 0.68-0.80x the estimate by tile and products, against
+// 0.91-0.93x on mma.sync and 0.75-0.96x for the best of the other ways, so its estimate counts at
+// 0.8 there, against the gather kernel (8- and 16-bit B): the automatic choice took 0.988-0.996x
+// the time by pair over the sweep's cells at M = K 1024-4096 (A/B, H200, BH 1; BH 4: 0.989-0.997x).
+// Against 4-bit B's resident kernel, already weighed at 0.85 of the rate, it lost (1.002-1.010x;
+// fifty-fourth round).
 bool dense_pays(const DenseShape& d, const Params& p, int64_t b_bits, int64_t bh, int64_t nnz_pad) {
   constexpr double kMega = 1e-6;
   if (!d.fits(bh)) return false;
@@ -342,7 +350,8 @@ bool dense_pays(const DenseShape& d, const Params& p, int64_t b_bits, int64_t bh
   const double rate = (p.row_bytes <= 64 ? 4.3 : p.row_bytes <= 128 ? 5.3 : p.row_bytes <= 256 ? 6.5 : 8.0) *
                       (b_bits == 4 ? 0.85 : 1.0);
   const double gather_us = 3.5 + bh * nnz_pad * p.row_bytes * kMega / rate;
-  return dense_us < gather_us;
+  const double wgmma_scale = d.gemm != Gemm::kMma && b_bits != 4 ? 0.8 : 1.0;
+  return wgmma_scale * dense_us < gather_us;
 }
 
 // One launch expands A's and B's planes (spmm_dense.cuh: expand_kernel), G vector rows a CTA;
@@ -545,10 +554,21 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
 // kernel only, and there the resident kernel beat both (N 32 and 64, both chips: 1.1-1.9x faster
 // than the dense path in the 10 cells a chip where the model took it; simulated over those 864
 // cells, with the eighth-tile threshold, the whole choice took 0.4 % more time than the fastest way
-// against 1.8-2.0 %). A forced dense path never tries it (launch_resident).
+// against 1.8-2.0 %). A forced dense path never tries it (launch_resident). With 4-bit B the
+// merged rows come before the resident kernel where they pay (launch_merged): wherever both paid,
+// they took 0.65-0.91x its time (the fifty-third round's `--ways` sweep: V 2, M = K 2048 and 4096,
+// N 512, sparsity 0.95 and 0.98), and the 4-bit B pairs' cells of the sweep at M = K 1024-4096
+// took 0.993-0.996x the time by pair (A/B, H200; fifty-fourth round).
 template <int AB, int BB>
 void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
                  int64_t a_bits, bool a_signed, Choice choice, const std::optional<Dense>& dense) {
+  if constexpr (BB == 4) {
+    constexpr int kTile = magicube::spmm_detail::kNarrowTileBytes;  // 4-bit B's only tile
+    if (!dense && fast &&
+        (a_signed ? launch_merged<AB, true, BB, kTile>(p, vrows, bh, nnz_pad, stream, choice)
+                  : launch_merged<AB, false, BB, kTile>(p, vrows, bh, nnz_pad, stream, choice)))
+      return;
+  }
   if constexpr (BB == 8 || BB == 4) {
     const bool resident_first = 2 * p.row_bytes <= magicube::spmm_detail::kNarrowTileBytes;
     if (!dense || resident_first) {
