@@ -329,10 +329,10 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // wgmma GEMM the dense path has since run faster than its estimate: over the fifty-third round's
 // `--ways` sweep (9c3bcc9) it took 0.68-0.80x the estimate by tile and products, against
 // 0.91-0.93x on mma.sync and 0.75-0.96x for the best of the other ways, so its estimate counts at
-// 0.8 there, against the gather kernel (8- and 16-bit B): the automatic choice took 0.988-0.996x
-// the time by pair over the sweep's cells at M = K 1024-4096 (A/B, H200, BH 1; BH 4: 0.989-0.997x).
-// Against 4-bit B's resident kernel, already weighed at 0.85 of the rate, it lost (1.002-1.010x;
-// fifty-fourth round).
+// 0.8 there, against the gather kernel (8- and 16-bit B): the automatic choice took 0.987-0.995x
+// the time by pair over the sweep's cells at M = K 1024-4096 (A/B, H200, BH 1; BH 4: 0.989-0.996x).
+// Against 4-bit B's resident kernel, already weighed at 0.85 of the rate, it lost (1.002-1.004x,
+// BH 4 1.007-1.010x; fifty-fourth round).
 bool dense_pays(const DenseShape& d, const Params& p, int64_t b_bits, int64_t bh, int64_t nnz_pad) {
   constexpr double kMega = 1e-6;
   if (!d.fits(bh)) return false;
@@ -558,7 +558,7 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
 // merged rows come before the resident kernel where they pay (launch_merged): wherever both paid,
 // they took 0.65-0.91x its time (the fifty-third round's `--ways` sweep: V 2, M = K 2048 and 4096,
 // N 512, sparsity 0.95 and 0.98), and the 4-bit B pairs' cells of the sweep at M = K 1024-4096
-// took 0.993-0.996x the time by pair (A/B, H200; fifty-fourth round).
+// took 0.993-0.997x the time by pair (A/B, H200; BH 4: 0.986-0.992x; fifty-fourth round).
 template <int AB, int BB>
 void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
                  int64_t a_bits, bool a_signed, Choice choice, const std::optional<Dense>& dense) {
