@@ -333,7 +333,9 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // the time by pair over the sweep's cells at M = K 1024-4096 (A/B, H200, BH 1; BH 4: 0.989-0.996x).
 // Against 4-bit B's resident kernel, already weighed at 0.85 of the rate, it lost (1.002-1.004x,
 // BH 4 1.007-1.010x; fifty-fourth round).
-bool dense_pays(const DenseShape& d, const Params& p, int64_t b_bits, int64_t bh, int64_t nnz_pad) {
+// With `margin`, whether the dense estimate is under that share of the gather estimate.
+bool dense_pays(const DenseShape& d, const Params& p, int64_t b_bits, int64_t bh, int64_t nnz_pad,
+                double margin = 1.0) {
   constexpr double kMega = 1e-6;
   if (!d.fits(bh)) return false;
   const double a_mb = 1.0 * d.a_planes * d.m_pad * d.k_pad * kMega;
@@ -351,7 +353,7 @@ bool dense_pays(const DenseShape& d, const Params& p, int64_t b_bits, int64_t bh
                       (b_bits == 4 ? 0.85 : 1.0);
   const double gather_us = 3.5 + bh * nnz_pad * p.row_bytes * kMega / rate;
   const double wgmma_scale = d.gemm != Gemm::kMma && b_bits != 4 ? 0.8 : 1.0;
-  return wgmma_scale * dense_us < gather_us;
+  return wgmma_scale * dense_us < margin * gather_us;
 }
 
 // One launch expands A's and B's planes (spmm_dense.cuh: expand_kernel), G vector rows a CTA;
@@ -466,11 +468,16 @@ void gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, Gemm which, cu
   launch_gemm<T, dn::gemm_kernel<AB, AS, BB, T>>(gp, bh, stream);
 }
 
-// The dense path's operands, where it runs.
+// The dense path's operands, where it runs; by_far: its estimate under kDenseByFar of the gather's.
 struct Dense {
   DenseShape shape;
   at::Tensor col_idx, out;
+  bool by_far;
 };
+
+// Where the dense estimate is under this share of the gather estimate, the dense path runs before
+// the resident-B kernel on narrow rows too (launch_pair).
+constexpr double kDenseByFar = 0.6;
 
 // A and B expanded to byte planes and multiplied: one signed plane each by cuBLAS's int8 GEMM
 // (at::_int_mm, one batch x head at a time) and a pass that stores its products, more planes by
@@ -554,11 +561,17 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
 // kernel only, and there the resident kernel beat both (N 32 and 64, both chips: 1.1-1.9x faster
 // than the dense path in the 10 cells a chip where the model took it; simulated over those 864
 // cells, with the eighth-tile threshold, the whole choice took 0.4 % more time than the fastest way
-// against 1.8-2.0 %). A forced dense path never tries it (launch_resident). With 4-bit B the
-// merged rows come before the resident kernel where they pay (launch_merged): wherever both paid,
-// they took 0.65-0.91x its time (the fifty-third round's `--ways` sweep: V 2, M = K 2048 and 4096,
-// N 512, sparsity 0.95 and 0.98), and the 4-bit B pairs' cells of the sweep at M = K 1024-4096
-// took 0.993-0.997x the time by pair (A/B, H200; BH 4: 0.986-0.992x; fifty-fourth round).
+// against 1.8-2.0 %). Not where the dense estimate is under 0.6 of the gather's (kDenseByFar): of
+// the cells of such rows measured with both ways forced (L8-R8, L16-R8, L8-R4, L16-R4 at N 32-128,
+// V 2 / 4 / 8, sparsity 0.5-0.98; M = K 1024-4096 at BH 1, 1024 and 2048 at BH 4), the 10 there
+// (V 2, sparsity 0.5 and 0.7, N 64 of 8-bit B and 128 of 4-bit B, M = K = 4096 at BH 1 and 2048
+// at BH 4) took 0.53-0.93x the resident kernel's time on the dense path, while the next two (0.63
+// and 0.64, 16-bit A) took 1.18-1.25x (fifty-fourth round). A forced dense path never tries the
+// resident kernel (launch_resident). With 4-bit B the merged rows come before the resident kernel
+// where they pay (launch_merged): wherever both paid, they took 0.65-0.91x its time (the
+// fifty-third round's `--ways` sweep: V 2, M = K 2048 and 4096, N 512, sparsity 0.95 and 0.98),
+// and the 4-bit B pairs' cells of the sweep at M = K 1024-4096 took 0.993-0.997x the time by pair
+// (A/B, H200; BH 4: 0.986-0.992x; fifty-fourth round).
 template <int AB, int BB>
 void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
                  int64_t a_bits, bool a_signed, Choice choice, const std::optional<Dense>& dense) {
@@ -571,7 +584,7 @@ void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
   }
   if constexpr (BB == 8 || BB == 4) {
     const bool resident_first = 2 * p.row_bytes <= magicube::spmm_detail::kNarrowTileBytes;
-    if (!dense || resident_first) {
+    if (!dense || (resident_first && !dense->by_far)) {
       const bool ran = a_signed ? launch_resident<AB, true, BB>(p, vrows, bh, nnz_pad, stream, fast, choice)
                                 : launch_resident<AB, false, BB>(p, vrows, bh, nnz_pad, stream, fast, choice);
       if (ran) return;
@@ -768,7 +781,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
     const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits, bh, way == Choice::kDenseWgmma);
     std::optional<Dense> dense;
     if (d.applies() && (forces_dense(way) || (way == Choice::kAuto && dense_pays(d, p, b_bits, bh, nnz_pad))))
-      dense = Dense{d, col_idx, out};
+      dense = Dense{d, col_idx, out, forces_dense(way) || dense_pays(d, p, b_bits, bh, nnz_pad, kDenseByFar)};
     if (a_bits == 8 && b_bits == 8) {
       launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, fast, a_bits, a_signed, way, dense);
     } else if (a_bits == 4 && b_bits == 4) {

@@ -84,10 +84,13 @@ AUTO_CASES = {
     # Rows of 32 bytes and some 27 KB of gathers an SM (132 SMs): the resident kernel, which pays
     # from 12 KB.
     "narrow-resident": (8, 8, 2, 0.9, 2048, 32, "resident"),
-    # Rows of 64 bytes where the dense path pays against the gather kernel: the resident kernel
-    # comes first (launch_pair), as it does on 4-bit B of the same bytes.
+    # Rows of 64 bytes where the dense path pays against the gather kernel (its estimate 0.83 of
+    # the gather's; 0.75 at 4-bit B): the resident kernel comes first (launch_pair).
     "resident-before-dense": (8, 8, 2, 0.5, 2048, 64, "resident"),
     "resident-before-dense-4-bit-b": (8, 4, 2, 0.5, 2048, 128, "resident"),
+    # The same rows where the dense estimate is under 0.6 of the gather estimate (here 0.49): the
+    # dense path comes first.
+    "dense-by-far-before-resident": (8, 8, 2, 0.5, 4096, 64, "dense"),
     # Few gathers of narrow rows: neither the resident kernel (0.5 KB against 12) nor the dense path.
     "narrow-few-gathers-gather": (8, 8, 8, 0.98, 2048, 32, "gather"),
 }
