@@ -565,8 +565,8 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
 // the cells of such rows measured with both ways forced (L8-R8, L16-R8, L8-R4, L16-R4 at N 32-128,
 // V 2 / 4 / 8, sparsity 0.5-0.98; M = K 1024-4096 at BH 1, 1024 and 2048 at BH 4), the 10 there
 // (V 2, sparsity 0.5 and 0.7, N 64 of 8-bit B and 128 of 4-bit B, M = K = 4096 at BH 1 and 2048
-// at BH 4) took 0.53-0.93x the resident kernel's time on the dense path, while the next two (0.63
-// and 0.64, 16-bit A) took 1.18-1.25x (fifty-fourth round). A forced dense path never tries the
+// at BH 4) took 0.53-0.93x the resident kernel's time on the dense path, while two of the next four
+// (0.63-0.66; 16-bit A) took 1.18-1.25x (fifty-fourth round). A forced dense path never tries the
 // resident kernel (launch_resident). With 4-bit B the merged rows come before the resident kernel
 // where they pay (launch_merged): wherever both paid, they took 0.65-0.91x its time (the
 // fifty-third round's `--ways` sweep: V 2, M = K 2048 and 4096, N 512, sparsity 0.95 and 0.98),
