@@ -333,11 +333,11 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // the time by pair over the sweep's cells at M = K 1024-4096 (A/B, H200, BH 1; BH 4: 0.989-0.996x).
 // Against 4-bit B's resident kernel, already weighed at 0.85 of the rate, it lost (1.002-1.004x,
 // BH 4 1.007-1.010x; fifty-fourth round).
-// With `margin`, whether the dense estimate is under that share of the gather estimate.
-bool dense_pays(const DenseShape& d, const Params& p, int64_t b_bits, int64_t bh, int64_t nnz_pad,
-                double margin = 1.0) {
+// Returns the dense estimate's share of the gather estimate (the dense path pays under 1), infinite
+// where A's planes do not fit.
+double dense_share(const DenseShape& d, const Params& p, int64_t b_bits, int64_t bh, int64_t nnz_pad) {
   constexpr double kMega = 1e-6;
-  if (!d.fits(bh)) return false;
+  if (!d.fits(bh)) return std::numeric_limits<double>::infinity();
   const double a_mb = 1.0 * d.a_planes * d.m_pad * d.k_pad * kMega;
   const double product_gop = 2e-9 * d.m_pad * d.n_pad * d.k_pad;
   const int64_t products = d.a_planes * d.b_planes;
@@ -353,7 +353,7 @@ bool dense_pays(const DenseShape& d, const Params& p, int64_t b_bits, int64_t bh
                       (b_bits == 4 ? 0.85 : 1.0);
   const double gather_us = 3.5 + bh * nnz_pad * p.row_bytes * kMega / rate;
   const double wgmma_scale = d.gemm != Gemm::kMma && b_bits != 4 ? 0.8 : 1.0;
-  return wgmma_scale * dense_us < margin * gather_us;
+  return wgmma_scale * dense_us / gather_us;
 }
 
 // One launch expands A's and B's planes (spmm_dense.cuh: expand_kernel), G vector rows a CTA;
@@ -780,8 +780,12 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   auto run = [&](Choice way) {
     const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits, bh, way == Choice::kDenseWgmma);
     std::optional<Dense> dense;
-    if (d.applies() && (forces_dense(way) || (way == Choice::kAuto && dense_pays(d, p, b_bits, bh, nnz_pad))))
-      dense = Dense{d, col_idx, out, forces_dense(way) || dense_pays(d, p, b_bits, bh, nnz_pad, kDenseByFar)};
+    if (d.applies() && forces_dense(way)) {
+      dense = Dense{d, col_idx, out, true};
+    } else if (d.applies() && way == Choice::kAuto) {
+      const double share = dense_share(d, p, b_bits, bh, nnz_pad);
+      if (share < 1.0) dense = Dense{d, col_idx, out, share < kDenseByFar};
+    }
     if (a_bits == 8 && b_bits == 8) {
       launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, fast, a_bits, a_signed, way, dense);
     } else if (a_bits == 4 && b_bits == 4) {

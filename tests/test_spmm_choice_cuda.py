@@ -1,4 +1,4 @@
-"""Which way the integer SpMM runs (csrc/spmm.cu: dense_pays, launch_resident, launch_pair), read
+"""Which way the integer SpMM runs (csrc/spmm.cu: dense_share, launch_resident, launch_pair), read
 from the names of the kernels that a profiled call launches: the ways give equal answers, so the
 other tests cannot tell them apart. The automatic choice's cells lie far from its thresholds (by
 its own estimates at least 1.2x between the ways it weighs, mostly 2-20x), so they hold on any
@@ -106,7 +106,7 @@ def test_automatic_choice(kernels, monkeypatch, case):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the dense path's estimate here is its wgmma GEMM's (Hopper)")
 def test_automatic_choice_4_bit_b_dense(kernels, monkeypatch):
-    """4-bit B's rows count at 0.85 of the gather estimate's rate (dense_pays): L16-R4 at V 2,
+    """4-bit B's rows count at 0.85 of the gather estimate's rate (dense_share): L16-R4 at V 2,
     sparsity 0.7, M = K = 2048, N 256 takes the dense path, by its estimates 19.6 us against 22.1
     (at 8-bit B's rate, 19.3: the resident kernel, which took 1.33x the dense path's time there)."""
     monkeypatch.delenv("MAGICUBE_SPMM_KERNEL", raising=False)
@@ -117,7 +117,7 @@ def test_automatic_choice_4_bit_b_dense(kernels, monkeypatch):
                     reason="the dense path's estimate here is its wgmma GEMM's (Hopper)")
 def test_automatic_choice_wgmma_dense(kernels, monkeypatch):
     """The dense path's estimate counts at 0.8 on our wgmma GEMM against 8- and 16-bit B's gather
-    kernel (dense_pays): L8-R8 at V 2, sparsity 0.8, M = K = 1024, N 512 takes the dense path, by
+    kernel (dense_share): L8-R8 at V 2, sparsity 0.8, M = K = 1024, N 512 takes the dense path, by
     its estimates 9.6 us against 10.8 (unscaled, 12.0: the gather kernel, which took 1.38x the
     dense path's time in the sweep's cell of this shape)."""
     monkeypatch.delenv("MAGICUBE_SPMM_KERNEL", raising=False)
