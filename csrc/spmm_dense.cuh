@@ -46,17 +46,19 @@ __device__ __forceinline__ int sign_extend(uint32_t x) {
   return static_cast<int>(x << (32 - BITS)) >> (32 - BITS);
 }
 
-// Element e of a container of signed `bits`-wide values (B's; 4-bit ones two to a byte, low
-// nibble first).
+// The bits of a container of signed BITS-wide values (B's; 4-bit ones two to a byte, low nibble
+// first) that hold element e, and element e from them: apart, so that a thread's loads are all in
+// flight before it decodes any (with the nibble's shift under the bounds check, ptxas gave each
+// 4-bit load a branch of its own and waited for it there).
 template <int BITS>
-__device__ __forceinline__ int element(const uint8_t* base, int64_t e) {
-  if constexpr (BITS == 4) {
-    return sign_extend<4>(base[e >> 1] >> (4 * (e & 1)));
-  } else if constexpr (BITS == 8) {
-    return reinterpret_cast<const int8_t*>(base)[e];
-  } else {
-    return reinterpret_cast<const int16_t*>(base)[e];
-  }
+__device__ __forceinline__ uint32_t element_bits(const uint8_t* base, int64_t e) {
+  if constexpr (BITS == 4) return base[e >> 1];
+  else if constexpr (BITS == 8) return base[e];
+  else return reinterpret_cast<const uint16_t*>(base)[e];
+}
+template <int BITS>
+__device__ __forceinline__ int element(uint32_t bits, int64_t e) {
+  return sign_extend<BITS>(BITS == 4 ? bits >> (4 * (e & 1)) : bits);
 }
 
 // Four consecutive values of a container from element e (a multiple of 4) on, as one load, and
@@ -226,11 +228,14 @@ __device__ __forceinline__ void b_planes_tile(const ExpandParams& p, int (*tile)
   const uint8_t* b = p.b + bh * p.b_bh_bytes;
   constexpr int kPlanes = kPlanesOf<BB>;
   const int tn = threadIdx.x & 63, tk = threadIdx.x >> 6;
+  uint32_t bits[16];
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     const int k = k0 + tk + 4 * j, n = n0 + tn;
-    tile[tk + 4 * j][tn] = k < p.k && n < p.n ? element<BB>(b + static_cast<int64_t>(k) * p.row_bytes, n) : 0;
+    bits[j] = k < p.k && n < p.n ? element_bits<BB>(b + static_cast<int64_t>(k) * p.row_bytes, n) : 0;
   }
+#pragma unroll
+  for (int j = 0; j < 16; ++j) tile[tk + 4 * j][tn] = element<BB>(bits[j], n0 + tn);
   __syncthreads();
   const int n = n0 + (threadIdx.x >> 2), kq = 16 * (threadIdx.x & 3);
   if (n >= p.n_pad || k0 + kq >= p.k_pad) return;
