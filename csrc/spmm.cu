@@ -329,10 +329,11 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // wgmma GEMM the dense path has since run faster than its estimate: over the fifty-third round's
 // `--ways` sweep (9c3bcc9) it took 0.68-0.80x the estimate by tile and products, against
 // 0.91-0.93x on mma.sync and 0.75-0.96x for the best of the other ways, so its estimate counts at
-// 0.8 there, against the gather kernel (8- and 16-bit B): the automatic choice took 0.987-0.995x
-// the time by pair over the sweep's cells at M = K 1024-4096 (A/B, H200, BH 1; BH 4: 0.989-0.996x).
-// Against 4-bit B's resident kernel, already weighed at 0.85 of the rate, it lost (1.002-1.004x,
-// BH 4 1.007-1.010x; fifty-fourth round).
+// 0.8 there: with 8- and 16-bit B the automatic choice took 0.987-0.995x the time by pair over the
+// sweep's cells at M = K 1024-4096 (A/B, H200, BH 1; BH 4: 0.989-0.996x; fifty-fourth round). With
+// 4-bit B it lost at first (1.002-1.004x, BH 4 1.007-1.010x), until 4-bit B's expansion ran
+// 0.86-0.88x the time (57c216d): since, 0.992-0.997x by pair (0.69-1.07x by cell), BH 4
+// 0.989-1.000x (0.63-1.17x; N 64-512, fifty-fifth round).
 // Returns the dense estimate's share of the gather estimate (the dense path pays under 1), infinite
 // where A's planes do not fit.
 double dense_share(const DenseShape& d, const Params& p, int64_t b_bits, int64_t bh, int64_t nnz_pad) {
@@ -352,7 +353,7 @@ double dense_share(const DenseShape& d, const Params& p, int64_t b_bits, int64_t
   const double rate = (p.row_bytes <= 64 ? 4.3 : p.row_bytes <= 128 ? 5.3 : p.row_bytes <= 256 ? 6.5 : 8.0) *
                       (b_bits == 4 ? 0.85 : 1.0);
   const double gather_us = 3.5 + bh * nnz_pad * p.row_bytes * kMega / rate;
-  const double wgmma_scale = d.gemm != Gemm::kMma && b_bits != 4 ? 0.8 : 1.0;
+  const double wgmma_scale = d.gemm != Gemm::kMma ? 0.8 : 1.0;
   return wgmma_scale * dense_us / gather_us;
 }
 

@@ -106,22 +106,25 @@ def test_automatic_choice(kernels, monkeypatch, case):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the dense path's estimate here is its wgmma GEMM's (Hopper)")
 def test_automatic_choice_4_bit_b_dense(kernels, monkeypatch):
-    """4-bit B's rows count at 0.85 of the gather estimate's rate (dense_share): L16-R4 at V 2,
-    sparsity 0.7, M = K = 2048, N 256 takes the dense path, by its estimates 19.6 us against 22.1
-    (at 8-bit B's rate, 19.3: the resident kernel, which took 1.33x the dense path's time there)."""
+    """4-bit B's rows count at 0.85 of the gather estimate's rate, and the dense estimate at 0.8 on
+    our wgmma GEMM (dense_share): L16-R4 at V 2, sparsity 0.7, M = K = 2048, N 256 takes the dense
+    path, by its estimates 15.7 us against 22.1 (with neither, 19.6 against 19.3: the resident
+    kernel, which took 1.5x the dense path's time in the sweep's cell of this shape)."""
     monkeypatch.delenv("MAGICUBE_SPMM_KERNEL", raising=False)
     assert _ways_run(16, 4, 2, 0.7, 2048, 256) == {"dense"}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the dense path's estimate here is its wgmma GEMM's (Hopper)")
-def test_automatic_choice_wgmma_dense(kernels, monkeypatch):
-    """The dense path's estimate counts at 0.8 on our wgmma GEMM against 8- and 16-bit B's gather
-    kernel (dense_share): L8-R8 at V 2, sparsity 0.8, M = K = 1024, N 512 takes the dense path, by
-    its estimates 9.6 us against 10.8 (unscaled, 12.0: the gather kernel, which took 1.38x the
-    dense path's time in the sweep's cell of this shape)."""
+@pytest.mark.parametrize("shape", [(8, 8, 2, 0.8, 1024, 512), (8, 4, 2, 0.9, 2048, 512)], ids=["L8-R8", "L8-R4"])
+def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
+    """The dense path's estimate counts at 0.8 on our wgmma GEMM (dense_share). L8-R8 at V 2,
+    sparsity 0.8, M = K = 1024, N 512 takes the dense path, by its estimates 9.6 us against 10.8
+    (unscaled, 12.0: the gather kernel, which took 1.38x the dense path's time in the sweep's cell
+    of this shape); L8-R4 at V 2, sparsity 0.9, M = K = 2048, N 512 too, by 12.5 against 14.1
+    (unscaled, 15.7: the resident kernel, 1.45x the dense path's time there)."""
     monkeypatch.delenv("MAGICUBE_SPMM_KERNEL", raising=False)
-    assert _ways_run(8, 8, 2, 0.8, 1024, 512) == {"dense"}
+    assert _ways_run(*shape) == {"dense"}
 
 
 @pytest.mark.parametrize("way", ["gather", "resident", "dense"])
