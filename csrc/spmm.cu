@@ -139,7 +139,9 @@ bool can_stack(int64_t a_bits, bool a_signed, int64_t v) {
 template <int AB, bool AS, int BB, int TB>
 void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice,
                  int64_t a_bits) {
-  if (launch_merged<AB, AS, BB, TB>(p, vrows, bh, nnz_pad, stream, choice)) return;
+  // 4-bit B has tried its merged rows already, before the resident-B kernel (launch_pair).
+  if constexpr (BB != 4)
+    if (launch_merged<AB, AS, BB, TB>(p, vrows, bh, nnz_pad, stream, choice)) return;
   if constexpr (AB == 16 && !magicube::spmm_detail::Kind<AB, AS, BB, TB>::kLocalSums) {
     const int64_t ctas = vrows * ((p.row_bytes + TB - 1) / TB) * bh;
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
