@@ -105,7 +105,8 @@ bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, 
     if (smem > magicube::max_dynamic_smem<kernel>()) return false;
     const int64_t ctas = vrows / 4 * ((p.row_bytes + TB - 1) / TB) * bh;
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    const bool pays = (BB != 4 || !p.out_int64) && p.n >= 256 && nnz_pad <= 4 * kSlots * vrows && ctas >= 3 * sms;
+    const bool pays = (BB != 4 || !p.out_int64) && p.row_bytes >= sd::kNarrowTileBytes &&
+                      nnz_pad <= 4 * kSlots * vrows && ctas >= 3 * sms;
     if (choice == Choice::kAuto && !pays) return false;
     launch_tiles<AB, AS, BB, true, TB, 0, true>(p, vrows, bh, stream, smem);
     return true;

@@ -177,15 +177,17 @@ def test_stacked_planes(kernels, monkeypatch, case):
 
 
 # (a_bits, b_bits, V, sparsity, M = K, N[, A signed, output dtype], MAGICUBE_SPMM_KERNEL, whether the
-# gather kernel merges V 2 rows four at a time): by default on N 256 or more (4-bit B: fp16 output
-# only), rows of at most four blocks on the mean and three merged CTAs an SM or more (512 here, on
-# GPUs of up to 170 SMs), not on rows of seven blocks (M = K = 4096, sparsity 0.95) nor on a grid
-# of 256 CTAs; `merged` merges wherever M is a multiple of 8, `gather` never.
+# gather kernel merges V 2 rows four at a time): by default on rows of B of 128 bytes or more (4-bit
+# B: fp16 output only), rows of A of at most four blocks on the mean and three merged CTAs an SM or
+# more (512 here, on GPUs of up to 170 SMs), not on rows of seven blocks (M = K = 4096, sparsity
+# 0.95) nor on a grid of 256 CTAs; `merged` merges wherever M is a multiple of 8, `gather` never.
 MERGE_CASES = {
     "L8-R8": (8, 8, 2, 0.98, 4096, 256, "auto", True),
     "L16-R4-fp16": (16, 4, 2, 0.98, 4096, 256, True, torch.float16, "auto", True),
     "L16-R4-int64": (16, 4, 2, 0.98, 4096, 256, True, torch.int64, "auto", False),
     "L16-R16-two-tiles": (16, 16, 2, 0.95, 2048, 256, "auto", True),
+    "L16-R16-narrow-rows": (16, 16, 2, 0.98, 4096, 64, "auto", True),
+    "L16-R16-rows-of-64-bytes": (16, 16, 2, 0.98, 4096, 32, "auto", False),
     "L16-R8-long-rows": (16, 8, 2, 0.95, 4096, 256, "auto", False),
     # 4-bit B's merged rows run before the resident kernel, which pays here too (launch_pair).
     "L8-R4-fp16-before-resident": (8, 4, 2, 0.98, 2048, 512, True, torch.float16, "auto", True),
