@@ -83,16 +83,20 @@ constexpr int64_t kMergeBlocks = 32;
 
 // The gather kernel on V 2 rows merged four at a time (spmm_kernel.cuh: MergedRows), where
 // p.merge_blocks says it applies (V 2, M a multiple of 8), its shared memory fits and it is asked
-// for or pays: N 256 or more, rows of at most four blocks on the mean, and three merged CTAs an SM
-// or more. There, on an H200, it took 0.77-1.01x the time of the choice before it with 8- and
-// 16-bit B (the 17 such cells of 420: the seven pairs at V 2, M = K 512-4096, N 128-512, sparsity
-// 0.7-0.98, BH 1; mostly M = K 2048 and 4096 at sparsity 0.95 and 0.98), where the merged CTAs'
-// union pays for its building; with fewer CTAs or longer rows up to 6.7x (kernel_checks.md,
-// fifty-second round). 4-bit B merges for fp16 output only: there it took 0.76-0.92x the time
-// where the rule takes it (BH 1, M = K = 4096, N 256, sparsity 0.98; BH 4, M = K = 1024, sparsity
-// 0.95 and 0.98: 0.61-0.84x), and with int64 output, four times the bytes, 1.02-1.24x (fifty-third
-// round). With 4-bit B it runs before the resident-B kernel, with 8-bit B after it (launch_pair).
-// Returns whether it ran.
+// for or pays: rows of B of a narrow tile or more (128 bytes), rows of A of at most four blocks on
+// the mean, and three merged CTAs an SM or more. There, on an H200, it took 0.77-1.01x the time of
+// the choice before it with 8- and 16-bit B of N 256 and 512 (the 17 such cells of 420: the seven
+// pairs at V 2, M = K 512-4096, N 128-512, sparsity 0.7-0.98, BH 1; mostly M = K 2048 and 4096 at
+// sparsity 0.95 and 0.98), where the merged CTAs' union pays for its building; with fewer CTAs or
+// longer rows up to 6.7x (kernel_checks.md, fifty-second round). Rows of 128 bytes (8-bit B of N
+// 128, 16-bit of N 64) and 16-bit B of N 128 merge too: at BH 4 and 16 (M = K 512-4096, sparsity
+// 0.7-0.98) that took 0.59-0.91x the time in the 31 of their 140 cells whose time moved by more
+// than 5 %, the other 109 0.95-1.01x; at BH 1, 0.83-0.97x (M = K = 4096, sparsity 0.98; fifty-sixth
+// round). 4-bit B merges for fp16 output only: there it took 0.76-0.92x the time where the rule
+// takes it (BH 1, M = K = 4096, N 256, sparsity 0.98; BH 4, M = K = 1024, sparsity 0.95 and 0.98:
+// 0.61-0.84x), and with int64 output, four times the bytes, 1.02-1.24x (fifty-third round). With
+// 4-bit B it runs before the resident-B kernel, with 8-bit B after it (launch_pair). Returns
+// whether it ran.
 template <int AB, bool AS, int BB, int TB>
 bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice) {
   if constexpr (AB == 0) {
