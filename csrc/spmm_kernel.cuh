@@ -594,9 +594,14 @@ struct MergedRows {
   int words;
   int start[4], ends[4];  // row j's first slot, and the end of its padded slots among the four's
 
+  // Where the window's column indices lie in `smem` (the layout above).
+  __device__ __forceinline__ static int* cols_in(const Params& p, uint8_t* smem) {
+    return reinterpret_cast<int*>(smem + p.merge_blocks * kBlockBytes);
+  }
+
   __device__ __forceinline__ MergedRows(const Params& p, int group, uint8_t* smem)
       : values(smem),
-        cols(reinterpret_cast<int*>(smem + p.merge_blocks * kBlockBytes)),
+        cols(cols_in(p, smem)),
         bitmap(reinterpret_cast<uint32_t*>(cols + p.merge_blocks * kSlots)),
         words((p.k + 31) / 32) {
     prefix = reinterpret_cast<int*>(bitmap + words);
@@ -761,7 +766,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
 
   const uint8_t* a_bh = p.a + bh * p.a_bh_bytes + (int64_t)start * v * K::kSparseRowBytes / kSlots;
   const uint8_t* b_bh = p.b + bh * p.b_bh_bytes;
-  const int* cols = MERGE ? MergedRows<K>(p, vrow, merged).cols : p.col_idx + start;
+  const int* cols = MERGE ? MergedRows<K>::cols_in(p, merged) : p.col_idx + start;
   const uint32_t smem0 = smem_addr(smem);
 
   // Copy roles: thread copies chunk `cchunk` of block slots cslot + q * kSlotStep.
