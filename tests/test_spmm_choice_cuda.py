@@ -189,11 +189,8 @@ MERGE_CASES = {
     "L16-R16-narrow-rows": (16, 16, 2, 0.98, 4096, 64, "auto", True),
     "L16-R16-rows-of-64-bytes": (16, 16, 2, 0.98, 4096, 32, "auto", False),
     "L16-R8-long-rows": (16, 8, 2, 0.95, 4096, 256, "auto", False),
-    # Merged rows run before the resident kernel, which pays here too (launch_pair).
+    # 4-bit B's merged rows run before the resident kernel, which pays here too (launch_pair).
     "L8-R4-fp16-before-resident": (8, 4, 2, 0.98, 2048, 512, True, torch.float16, "auto", True),
-    # Rows of four blocks each (the merge rule's bound) and 124 KB of gathers an SM on 132 SMs (the
-    # resident kernel pays from 96).
-    "L8-R8-before-resident": (8, 8, 2, 0.975, 4096, 128, "auto", True),
     "L16-R8-few-ctas": (16, 8, 2, 0.95, 2048, 256, "auto", False),
     "L8-R8-merged": (8, 8, 2, 0.9, 1024, 64, "merged", True),
     "L8-R8-merged-m-not-multiple-of-8": (8, 8, 2, 0.9, 1004, 64, "merged", False),
