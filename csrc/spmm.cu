@@ -94,9 +94,8 @@ constexpr int64_t kMergeBlocks = 32;
 // than 5 %, the other 109 0.95-1.01x; at BH 1, 0.83-0.97x (M = K = 4096, sparsity 0.98; fifty-sixth
 // round). 4-bit B merges for fp16 output only: there it took 0.76-0.92x the time where the rule
 // takes it (BH 1, M = K = 4096, N 256, sparsity 0.98; BH 4, M = K = 1024, sparsity 0.95 and 0.98:
-// 0.61-0.84x), and with int64 output, four times the bytes, 1.02-1.24x (fifty-third round). With
-// 4-bit B it runs before the resident-B kernel, with 8-bit B after it (launch_pair). Returns
-// whether it ran.
+// 0.61-0.84x), and with int64 output, four times the bytes, 1.02-1.24x (fifty-third round). It
+// runs before the resident-B kernel (launch_integer). Returns whether it ran.
 template <int AB, bool AS, int BB, int TB>
 bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice) {
   if constexpr (AB == 0) {
@@ -144,9 +143,6 @@ bool can_stack(int64_t a_bits, bool a_signed, int64_t v) {
 template <int AB, bool AS, int BB, int TB>
 void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice,
                  int64_t a_bits) {
-  // 4-bit B has tried its merged rows already, before the resident-B kernel (launch_pair).
-  if constexpr (BB != 4)
-    if (launch_merged<AB, AS, BB, TB>(p, vrows, bh, nnz_pad, stream, choice)) return;
   if constexpr (AB == 16 && !magicube::spmm_detail::Kind<AB, AS, BB, TB>::kLocalSums) {
     const int64_t ctas = vrows * ((p.row_bytes + TB - 1) / TB) * bh;
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -166,15 +162,21 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
 // were of zeros: on an H200 the narrow tile took 18-28 % less time (geometric means over M = K
 // 1024-4096, V 2 / 4 / 8, sparsity 0.7 / 0.9 / 0.98: L8-R8 and L16-R8 at N 64 and 128, L16-R16 and
 // fp16 at N 32 and 64), and the fp16 pipeline's P x V (batch x heads 32, L 4096, head dim 64)
-// 188 -> 112 us. The generic copies (rows not on 16 bytes) keep the wide tile.
+// 188 -> 112 us. The generic copies (rows not on 16 bytes) keep the wide tile. Returns what
+// `f.template operator()<TB>()` returns with that tile TB.
+template <int AB, bool AS, int BB, class F>
+decltype(auto) on_fast_tile(const Params& p, F&& f) {
+  namespace sd = magicube::spmm_detail;
+  if (p.row_bytes <= sd::kNarrowTileBytes) return f.template operator()<sd::kNarrowTileBytes>();
+  return f.template operator()<sd::Kind<AB, AS, BB>::kTileBytes>();
+}
+
 template <int AB, bool AS, int BB>
 void launch(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
             Choice choice, int64_t a_bits) {
-  namespace sd = magicube::spmm_detail;
   if (!fast) return launch_tiles<AB, AS, BB, false>(p, vrows, bh, stream);
-  if (p.row_bytes <= sd::kNarrowTileBytes)
-    return launch_fast<AB, AS, BB, sd::kNarrowTileBytes>(p, vrows, bh, nnz_pad, stream, choice, a_bits);
-  launch_fast<AB, AS, BB, sd::Kind<AB, AS, BB>::kTileBytes>(p, vrows, bh, nnz_pad, stream, choice, a_bits);
+  on_fast_tile<AB, AS, BB>(
+      p, [&]<int TB>() { launch_fast<AB, AS, BB, TB>(p, vrows, bh, nnz_pad, stream, choice, a_bits); });
 }
 
 // The resident-B kernel, where it applies: 8- or 4-bit B whose rows take 16-byte copies and a
@@ -223,13 +225,6 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>(slices), static_cast<unsigned>(bh));
   magicube::launch_overlapped(kernel, grid, dim3(sd::kResidentThreads), static_cast<size_t>(smem), stream, p);
   return true;
-}
-
-template <int AB, int BB>
-void launch_signed(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
-                   bool a_signed, Choice choice, int64_t a_bits) {
-  if (a_signed) launch<AB, true, BB>(p, vrows, bh, nnz_pad, stream, fast, choice, a_bits);
-  else launch<AB, false, BB>(p, vrows, bh, nnz_pad, stream, fast, choice, a_bits);
 }
 
 // Which of our GEMMs multiplies the planes where cuBLAS's does not (pick_gemm).
@@ -484,7 +479,7 @@ struct Dense {
 };
 
 // Where the dense estimate is under this share of the gather estimate, the dense path runs before
-// the resident-B kernel on narrow rows too (launch_pair).
+// the resident-B kernel on narrow rows too (launch_integer).
 constexpr double kDenseByFar = 0.6;
 
 // A and B expanded to byte planes and multiplied: one signed plane each by cuBLAS's int8 GEMM
@@ -563,43 +558,45 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
   else gemm<AB, false, BB>(gp, bh, d.gemm, stream);
 }
 
-// An integer pair: the dense path where `dense` says so, else the resident-B kernel where it
-// applies and pays, else the gather kernel. On rows of at most half a narrow tile the resident
-// kernel comes first where it pays: the dense model weighs the dense path against the gather
-// kernel only, and there the resident kernel beat both (N 32 and 64, both chips: 1.1-1.9x faster
-// than the dense path in the 10 cells a chip where the model took it; simulated over those 864
-// cells, with the eighth-tile threshold, the whole choice took 0.4 % more time than the fastest way
-// against 1.8-2.0 %). Not where the dense estimate is under 0.6 of the gather's (kDenseByFar): of
-// the cells of such rows measured with both ways forced (L8-R8, L16-R8, L8-R4, L16-R4 at N 32-128,
-// V 2 / 4 / 8, sparsity 0.5-0.98; M = K 1024-4096 at BH 1, 1024 and 2048 at BH 4), the 10 there
-// (V 2, sparsity 0.5 and 0.7, N 64 of 8-bit B and 128 of 4-bit B, M = K = 4096 at BH 1 and 2048
-// at BH 4) took 0.53-0.93x the resident kernel's time on the dense path, while two of the next four
-// (0.63-0.66; 16-bit A) took 1.18-1.25x (fifty-fourth round). A forced dense path never tries the
-// resident kernel (launch_resident). With 4-bit B the merged rows come before the resident kernel
-// where they pay (launch_merged): wherever both paid, they took 0.65-0.91x its time (the
-// fifty-third round's `--ways` sweep: V 2, M = K 2048 and 4096, N 512, sparsity 0.95 and 0.98),
-// and the 4-bit B pairs' cells of the sweep at M = K 1024-4096 took 0.993-0.997x the time by pair
-// (A/B, H200; BH 4: 0.986-0.992x; fifty-fourth round).
+// An integer pair: the dense path where `dense` says so, else the merged rows (launch_merged) or
+// the resident-B kernel where they apply and pay, else the gather kernel. On rows of at most half a
+// narrow tile the resident kernel comes first where it pays: the dense model weighs the dense path
+// against the gather kernel only, and there the resident kernel beat both (N 32 and 64, both chips:
+// 1.1-1.9x faster than the dense path in the 10 cells a chip where the model took it; simulated
+// over those 864 cells, with the eighth-tile threshold, the whole choice took 0.4 % more time than
+// the fastest way against 1.8-2.0 %). Not where the dense estimate is under 0.6 of the gather's
+// (kDenseByFar): of the cells of such rows measured with both ways forced (L8-R8, L16-R8, L8-R4,
+// L16-R4 at N 32-128, V 2 / 4 / 8, sparsity 0.5-0.98; M = K 1024-4096 at BH 1, 1024 and 2048 at BH
+// 4), the 10 there (V 2, sparsity 0.5 and 0.7, N 64 of 8-bit B and 128 of 4-bit B, M = K = 4096 at
+// BH 1 and 2048 at BH 4) took 0.53-0.93x the resident kernel's time on the dense path, while two of
+// the next four (0.63-0.66; 16-bit A) took 1.18-1.25x (fifty-fourth round). A forced dense path
+// never tries the resident kernel (launch_resident). The merged rows come before the resident
+// kernel where they pay: with 4-bit B wherever both paid they took 0.65-0.91x its time (the
+// fifty-third round's `--ways` sweep: V 2, M = K 2048 and 4096, N 512, sparsity 0.95 and 0.98), and
+// the 4-bit B pairs' cells of the sweep at M = K 1024-4096 took 0.993-0.997x the time by pair (A/B,
+// H200; BH 4: 0.986-0.992x; fifty-fourth round); with 8-bit B of N 128, where both pay at BH 4 and
+// 16 (V 2, M = K 512-2048, sparsity 0.9-0.98), 0.51-0.95x in the 15 such cells of the 288 of L8-R8
+// and L16-R8 measured with every way forced at BH 1, 4 and 16 (fifty-sixth round).
+template <int AB, bool AS, int BB>
+void launch_integer(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
+                    int64_t a_bits, Choice choice, const std::optional<Dense>& dense) {
+  const auto merged = [&]<int TB>() { return launch_merged<AB, AS, BB, TB>(p, vrows, bh, nnz_pad, stream, choice); };
+  if (!dense && fast && on_fast_tile<AB, AS, BB>(p, merged)) return;
+  if constexpr (BB == 8 || BB == 4) {
+    const bool resident_first = 2 * p.row_bytes <= magicube::spmm_detail::kNarrowTileBytes;
+    if ((!dense || (resident_first && !dense->by_far)) &&
+        launch_resident<AB, AS, BB>(p, vrows, bh, nnz_pad, stream, fast, choice))
+      return;
+  }
+  if (dense) return run_dense<AB, BB>(p, *dense, vrows, bh, AS, stream);
+  launch<AB, AS, BB>(p, vrows, bh, nnz_pad, stream, fast, choice, a_bits);
+}
+
 template <int AB, int BB>
 void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
                  int64_t a_bits, bool a_signed, Choice choice, const std::optional<Dense>& dense) {
-  if constexpr (BB == 4) {
-    constexpr int kTile = magicube::spmm_detail::kNarrowTileBytes;  // 4-bit B's only tile
-    if (!dense && fast &&
-        (a_signed ? launch_merged<AB, true, BB, kTile>(p, vrows, bh, nnz_pad, stream, choice)
-                  : launch_merged<AB, false, BB, kTile>(p, vrows, bh, nnz_pad, stream, choice)))
-      return;
-  }
-  if constexpr (BB == 8 || BB == 4) {
-    const bool resident_first = 2 * p.row_bytes <= magicube::spmm_detail::kNarrowTileBytes;
-    if (!dense || (resident_first && !dense->by_far)) {
-      const bool ran = a_signed ? launch_resident<AB, true, BB>(p, vrows, bh, nnz_pad, stream, fast, choice)
-                                : launch_resident<AB, false, BB>(p, vrows, bh, nnz_pad, stream, fast, choice);
-      if (ran) return;
-    }
-  }
-  if (dense) return run_dense<AB, BB>(p, *dense, vrows, bh, a_signed, stream);
-  launch_signed<AB, BB>(p, vrows, bh, nnz_pad, stream, fast, a_signed, choice, a_bits);
+  if (a_signed) launch_integer<AB, true, BB>(p, vrows, bh, nnz_pad, stream, fast, a_bits, choice, dense);
+  else launch_integer<AB, false, BB>(p, vrows, bh, nnz_pad, stream, fast, a_bits, choice, dense);
 }
 
 // Holds the stream for `ns` nanoseconds, so that the host queues the calls after it before the GPU

@@ -1,4 +1,4 @@
-"""Which way the integer SpMM runs (csrc/spmm.cu: dense_share, launch_resident, launch_pair), read
+"""Which way the integer SpMM runs (csrc/spmm.cu: dense_share, launch_resident, launch_integer), read
 from the names of the kernels that a profiled call launches: the ways give equal answers, so the
 other tests cannot tell them apart. The automatic choice's cells lie far from its thresholds (by
 its own estimates at least 1.2x between the ways it weighs, mostly 2-20x), so they hold on any
@@ -85,7 +85,7 @@ AUTO_CASES = {
     # from 12 KB.
     "narrow-resident": (8, 8, 2, 0.9, 2048, 32, "resident"),
     # Rows of 64 bytes where the dense path pays against the gather kernel (its estimate 0.83 of
-    # the gather's; 0.75 at 4-bit B): the resident kernel comes first (launch_pair).
+    # the gather's; 0.75 at 4-bit B): the resident kernel comes first (launch_integer).
     "resident-before-dense": (8, 8, 2, 0.5, 2048, 64, "resident"),
     "resident-before-dense-4-bit-b": (8, 4, 2, 0.5, 2048, 128, "resident"),
     # The same rows where the dense estimate is under 0.6 of the gather estimate (here 0.49): the
@@ -189,8 +189,9 @@ MERGE_CASES = {
     "L16-R16-narrow-rows": (16, 16, 2, 0.98, 4096, 64, "auto", True),
     "L16-R16-rows-of-64-bytes": (16, 16, 2, 0.98, 4096, 32, "auto", False),
     "L16-R8-long-rows": (16, 8, 2, 0.95, 4096, 256, "auto", False),
-    # 4-bit B's merged rows run before the resident kernel, which pays here too (launch_pair).
+    # Merged rows run before the resident kernel, which pays here too (launch_integer).
     "L8-R4-fp16-before-resident": (8, 4, 2, 0.98, 2048, 512, True, torch.float16, "auto", True),
+    "L8-R8-before-resident": (8, 8, 2, 0.975, 4096, 128, "auto", True),
     "L16-R8-few-ctas": (16, 8, 2, 0.95, 2048, 256, "auto", False),
     "L8-R8-merged": (8, 8, 2, 0.9, 1024, 64, "merged", True),
     "L8-R8-merged-m-not-multiple-of-8": (8, 8, 2, 0.9, 1004, 64, "merged", False),
