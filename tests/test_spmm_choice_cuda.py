@@ -25,19 +25,19 @@ def kernels():
     return load_kernels("spmm")
 
 
-def _problem(a_bits, b_bits, v, sparsity, mk, n, a_signed=True, out_dtype=torch.int64):
-    """One call of the integer SpMM on random operands (M = K = mk, BH 1; int64 output, or fp16
-    dequantized by random scales) and the exact integer product."""
+def _problem(a_bits, b_bits, v, sparsity, mk, n, a_signed=True, out_dtype=torch.int64, bh=1):
+    """One call of the integer SpMM on random operands (M = K = mk, `bh` batch x heads of one
+    pattern; int64 output, or fp16 dequantized by random scales) and the exact integer product."""
     g = torch.Generator(device="cuda").manual_seed(0)
     mask = random_vector_mask(mk, mk, v, sparsity, seed=1)
     p = SRBCRS.from_mask(mask, stride=32).to("cuda")
-    qa = random_ints((1, mk, mk), a_bits, a_signed, g) * mask.to_dense().to("cuda")
-    qb = random_ints((1, mk, n), b_bits, True, g)
+    qa = random_ints((bh, mk, mk), a_bits, a_signed, g) * mask.to_dense().to("cuda")
+    qb = random_ints((bh, mk, n), b_bits, True, g)
     a_values = to_container(p.pack_values(qa), a_bits, a_signed)
     b = to_container(qb, b_bits)
     fp16 = out_dtype == torch.float16
-    sa = torch.rand(1, mk, device="cuda", generator=g) if fp16 else None
-    sb = torch.rand(1, n, device="cuda", generator=g) if fp16 else None
+    sa = torch.rand(bh, mk, device="cuda", generator=g) if fp16 else None
+    sb = torch.rand(bh, n, device="cuda", generator=g) if fp16 else None
 
     def call():
         return torch.ops.magicube_cuda.spmm(p.row_ptr, p.col_idx, p.row_order, a_values, b, sa, sb, v, mk,
@@ -125,6 +125,21 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
     (unscaled, 15.7: the resident kernel, 1.45x the dense path's time there)."""
     monkeypatch.delenv("MAGICUBE_SPMM_KERNEL", raising=False)
     assert _ways_run(*shape) == {"dense"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the dense path's estimate here is its wgmma GEMM's (Hopper)")
+@pytest.mark.parametrize("shape, way", [((8, 8, 4, 0.9, 2048, 128), "resident"), ((8, 8, 2, 0.5, 2048, 256), "dense")],
+                         ids=["resident", "dense"])
+def test_automatic_choice_batched(kernels, monkeypatch, shape, way):
+    """The dense estimate counts 1.3x from BH 16 (dense_share). L8-R8 at V 4, sparsity 0.9, M = K =
+    2048, N 128 and BH 16 takes the resident kernel, by the estimates 60.7 us against 47.8 (unscaled,
+    46.7: the dense path, which took 1.52x the resident kernel's time in this cell); at V 2, sparsity
+    0.5, N 256 the dense path still runs, by 117 against 664."""
+    monkeypatch.delenv("MAGICUBE_SPMM_KERNEL", raising=False)
+    call, reference = _problem(*shape, bh=16)
+    assert torch.equal(call(), reference)
+    assert _ways_run(call=call) == {way}
 
 
 @pytest.mark.parametrize("way", ["gather", "resident", "dense"])
