@@ -335,11 +335,7 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // sweep's cells at M = K 1024-4096 (A/B, H200, BH 1; BH 4: 0.989-0.996x; fifty-fourth round). With
 // 4-bit B it lost at first (1.002-1.004x, BH 4 1.007-1.010x), until 4-bit B's expansion ran
 // 0.86-0.88x the time (57c216d): since, 0.992-0.997x by pair (0.69-1.07x by cell), BH 4
-// 0.989-1.000x (0.63-1.17x; N 64-512, fifty-fifth round). Batched, the dense path runs over the
-// estimate that BH 1 fitted: at BH 8 it took 0.98-1.08x the estimate by pair, at BH 16 1.00-1.40x,
-// against 0.79-0.99x at BH 1 and 4, while the other ways kept to theirs (M = K 512-2048, N 128-512,
-// V 2 / 4 / 8, sparsity 0.5-0.95, every way forced; H200), so the dense estimate counts 1.15x from
-// BH 8 and 1.3x from BH 16 (fifty-seventh round).
+// 0.989-1.000x (0.63-1.17x; N 64-512, fifty-fifth round).
 // Returns the dense estimate's share of the gather estimate (the dense path pays under 1), infinite
 // where A's planes do not fit.
 double dense_share(const DenseShape& d, const Params& p, int64_t b_bits, int64_t bh, int64_t nnz_pad) {
@@ -360,8 +356,7 @@ double dense_share(const DenseShape& d, const Params& p, int64_t b_bits, int64_t
                       (b_bits == 4 ? 0.85 : 1.0);
   const double gather_us = 3.5 + bh * nnz_pad * p.row_bytes * kMega / rate;
   const double wgmma_scale = d.gemm != Gemm::kMma ? 0.8 : 1.0;
-  const double batched = bh >= 16 ? 1.3 : bh >= 8 ? 1.15 : 1.0;
-  return batched * wgmma_scale * dense_us / gather_us;
+  return wgmma_scale * dense_us / gather_us;
 }
 
 // One launch expands A's and B's planes (spmm_dense.cuh: expand_kernel), G vector rows a CTA;
@@ -475,6 +470,14 @@ void gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, Gemm which, cu
   using T = typename dn::DefaultGemmTile<AP, BP>::type;
   launch_gemm<T, dn::gemm_kernel<AB, AS, BB, T>>(gp, bh, stream);
 }
+
+// Batched, the dense path runs over the estimate that BH 1 fitted (dense_share): at BH 8 it took
+// 0.98-1.08x the estimate by pair, at BH 16 1.00-1.40x, against 0.79-0.99x at BH 1 and 4, while the
+// other ways kept to theirs (M = K 512-2048, N 128-512, V 2 / 4 / 8, sparsity 0.5-0.95, every way
+// forced; H200). So against the gather estimate it counts this much more; not against the resident
+// kernel (kDenseByFar), where rows of 64 bytes that the dense path took by far at BH 8-32 took
+// 1.09-1.42x its time on the resident kernel (fifty-seventh round).
+double batched_dense(int64_t bh) { return bh >= 16 ? 1.3 : bh >= 8 ? 1.15 : 1.0; }
 
 // The dense path's operands, where it runs; by_far: its estimate under kDenseByFar of the gather's.
 struct Dense {
@@ -794,7 +797,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
       dense = Dense{d, col_idx, out, true};
     } else if (d.applies() && way == Choice::kAuto) {
       const double share = dense_share(d, p, b_bits, bh, nnz_pad);
-      if (share < 1.0) dense = Dense{d, col_idx, out, share < kDenseByFar};
+      if (share * batched_dense(bh) < 1.0) dense = Dense{d, col_idx, out, share < kDenseByFar};
     }
     if (a_bits == 8 && b_bits == 8) {
       launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, fast, a_bits, a_signed, way, dense);

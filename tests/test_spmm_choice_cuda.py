@@ -132,7 +132,7 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
 @pytest.mark.parametrize("shape, way", [((8, 8, 4, 0.9, 2048, 128), "resident"), ((8, 8, 2, 0.5, 2048, 256), "dense")],
                          ids=["resident", "dense"])
 def test_automatic_choice_batched(kernels, monkeypatch, shape, way):
-    """The dense estimate counts 1.3x from BH 16 (dense_share). L8-R8 at V 4, sparsity 0.9, M = K =
+    """The dense estimate counts 1.3x from BH 16 (batched_dense). L8-R8 at V 4, sparsity 0.9, M = K =
     2048, N 128 and BH 16 takes the resident kernel, by the estimates 60.7 us against 47.8 (unscaled,
     46.7: the dense path, which took 1.52x the resident kernel's time in this cell); at V 2, sparsity
     0.5, N 256 the dense path still runs, by 117 against 664."""
