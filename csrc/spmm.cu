@@ -476,7 +476,7 @@ void gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, Gemm which, cu
 // other ways kept to theirs (M = K 512-2048, N 128-512, V 2 / 4 / 8, sparsity 0.5-0.95, every way
 // forced; H200). So against the gather estimate it counts this much more; not against the resident
 // kernel (kDenseByFar): counted there too, it moved rows of 64 bytes from the dense path to the
-// resident kernel, and 8 such cells of 1080 (BH 8-32) took 1.07-1.42x the time, one 0.91x
+// resident kernel, and 9 such cells of 1080 (BH 8-32) took 1.07-1.42x the time, one 0.91x
 // (fifty-seventh round).
 double batched_dense(int64_t bh) { return bh >= 16 ? 1.3 : bh >= 8 ? 1.15 : 1.0; }
 
