@@ -336,8 +336,8 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // 4-bit B it lost at first (1.002-1.004x, BH 4 1.007-1.010x), until 4-bit B's expansion ran
 // 0.86-0.88x the time (57c216d): since, 0.992-0.997x by pair (0.69-1.07x by cell), BH 4
 // 0.989-1.000x (0.63-1.17x; N 64-512, fifty-fifth round).
-// Returns the dense estimate's share of the gather estimate (the dense path pays under 1), infinite
-// where A's planes do not fit.
+// Returns the dense estimate's share of the gather estimate (the dense path pays under 1 once
+// batched_dense weighs it), infinite where A's planes do not fit.
 double dense_share(const DenseShape& d, const Params& p, int64_t b_bits, int64_t bh, int64_t nnz_pad) {
   constexpr double kMega = 1e-6;
   if (!d.fits(bh)) return std::numeric_limits<double>::infinity();
@@ -601,6 +601,7 @@ void launch_integer(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad,
   launch<AB, AS, BB>(p, vrows, bh, nnz_pad, stream, fast, choice, a_bits);
 }
 
+// launch_integer, A's signedness made a template argument.
 template <int AB, int BB>
 void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
                  int64_t a_bits, bool a_signed, Choice choice, const std::optional<Dense>& dense) {
