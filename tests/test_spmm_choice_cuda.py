@@ -16,6 +16,10 @@ from magicube.ops import SRBCRS, random_vector_mask, to_container
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
+# The cases whose dense estimate is our wgmma GEMM's, which runs on Hopper only.
+wgmma_estimate = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                                    reason="the dense path's estimate here is its wgmma GEMM's (Hopper)")
+
 # A way, by a kernel that only it launches (the dense path's GEMM is cuBLAS's or one of ours).
 WAY_KERNELS = {"gather": "spmm_kernel<", "resident": "spmm_resident_kernel<", "dense": "expand_kernel<"}
 
@@ -103,8 +107,7 @@ def test_automatic_choice(kernels, monkeypatch, case):
     assert _ways_run(*shape) == {way}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="the dense path's estimate here is its wgmma GEMM's (Hopper)")
+@wgmma_estimate
 def test_automatic_choice_4_bit_b_dense(kernels, monkeypatch):
     """4-bit B's rows count at 0.85 of the gather estimate's rate, and the dense estimate at 0.8 on
     our wgmma GEMM (dense_share): L16-R4 at V 2, sparsity 0.7, M = K = 2048, N 256 takes the dense
@@ -114,8 +117,7 @@ def test_automatic_choice_4_bit_b_dense(kernels, monkeypatch):
     assert _ways_run(16, 4, 2, 0.7, 2048, 256) == {"dense"}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="the dense path's estimate here is its wgmma GEMM's (Hopper)")
+@wgmma_estimate
 @pytest.mark.parametrize("shape", [(8, 8, 2, 0.8, 1024, 512), (8, 4, 2, 0.9, 2048, 512)], ids=["L8-R8", "L8-R4"])
 def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
     """The dense path's estimate counts at 0.8 on our wgmma GEMM (dense_share). L8-R8 at V 2,
@@ -127,8 +129,7 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
     assert _ways_run(*shape) == {"dense"}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="the dense path's estimate here is its wgmma GEMM's (Hopper)")
+@wgmma_estimate
 @pytest.mark.parametrize("shape, way", [((8, 8, 4, 0.9, 2048, 128), "resident"), ((8, 8, 2, 0.5, 2048, 256), "dense")],
                          ids=["resident", "dense"])
 def test_automatic_choice_batched(kernels, monkeypatch, shape, way):
