@@ -191,15 +191,19 @@ void launch(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStr
 // per row width (the thresholds before, fitted on an older resident kernel, 0.98-7.5 %), at most
 // 1.23x in one cell; at N 32 and 64, over 864 cells, 0.0-0.5 % (16-byte rows, 4-bit B of N 32, at 12
 // KB: 3.7-3.9 %; the resident kernel won every cell from 6.3 KB on, up to 1.5x).
-// On batched problems these rows (up to half a narrow tile) pay from less: the count falls with
-// batch x heads down to a quarter from BH 4. The resident kernel's time stays nearly flat from BH 2
-// to 16 (L8-R8, V 8, sparsity 0.7, M = K = 1024, N 32: 5.8-5.9 us) while the gather kernel's grows
-// with the gathers (4.8-15.8). Over the cells of such rows measured with every way forced at BH
-// 2-32 (H200, 536 cells, M = K 512-2048, V 2 / 4 / 8, sparsity 0.5-0.95, 8- and 16-bit A), the
-// automatic choice took 1.003-1.016x the fastest way's time by BH, against 1.026-1.178x with BH 1's
-// counts; no cell it moved onto the resident kernel lost more than 3 %. On 1470 other cells (BH 2-32,
-// M = K 512-4096, sparsity 0.5-0.98, 4- to 16-bit A, unsigned A, int64 output) it took 0.86-0.97x
-// the time by BH of the counts before; 246 cells 0.33-0.94x, one 1.09x.
+// On batched problems rows of up to half a narrow tile pay from less: the count falls with batch x
+// heads down to a quarter from BH 4. The resident kernel's time stays nearly flat from BH 2 to 16
+// (L8-R8, V 8, sparsity 0.7, M = K = 1024, N 32: 5.8-5.9 us) while the gather kernel's grows with
+// the gathers (4.8-15.8). Over the cells of such rows measured with every way forced at BH 2-32
+// (H200, 536 cells, M = K 512-2048, V 2 / 4 / 8, sparsity 0.5-0.95, 8- and 16-bit A), the automatic
+// choice took 1.003-1.016x the fastest way's time by BH, against 1.026-1.178x with BH 1's counts; no
+// cell it moved onto the resident kernel lost more than 3 %. On 1470 other cells (BH 2-32, M = K
+// 512-4096, sparsity 0.5-0.98, 4- to 16-bit A, unsigned A, int64 output) it took 0.86-0.97x the time
+// by BH of the counts before; 246 cells 0.33-0.94x, one 1.09x. 4-bit B's rows of a whole narrow tile
+// (N 256) at V 8 take the same counts: over 200 cells (4- to 16-bit A, BH 2-32, M = K 512-4096,
+// sparsity 0.5-0.98) they took 0.93-1.00x the time by BH, 41 cells 0.77-0.94x, two 1.05x and 1.07x.
+// Not at V 4, where the forced runs showed the resident kernel winning only from about 48 KB, nor on
+// rows of 256 bytes, where cells of 16 KB at BH 16 and 32 took up to 1.30x.
 // Wider rows of 8-bit B take the gather kernel's wide tile at L2 bandwidth, and the resident
 // kernel's shared-memory gathers lose to bank conflicts (N 256: 8.6 against 14.5 us at the SpMM
 // target). Returns whether it ran.
@@ -223,7 +227,7 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const int64_t tile = sd::kNarrowTileBytes, rb = p.row_bytes;
   const int64_t gathers = bh * nnz_pad * rb / (props->multiProcessorCount * p.v);
   const bool narrow = rb <= tile || (BB == 4 && rb <= 2 * tile);
-  const int64_t batched = 2 * rb <= tile ? std::min<int64_t>(bh, 4) : 1;
+  const int64_t batched = 2 * rb <= tile || (BB == 4 && p.v == 8 && rb <= tile) ? std::min<int64_t>(bh, 4) : 1;
   const int64_t pays_from = (8 * rb <= tile   ? 6 << 10
                              : 4 * rb <= tile ? 12 << 10
                              : 2 * rb <= tile ? 24 << 10

@@ -143,16 +143,18 @@ def test_automatic_choice_batched(kernels, monkeypatch, shape, way):
     assert _ways_run(call=call) == {way}
 
 
-@pytest.mark.parametrize("n, bh, way", [(64, 1, "gather"), (64, 8, "resident"), (32, 8, "resident")],
-                         ids=["64-byte-rows-bh1", "64-byte-rows-bh8", "32-byte-rows-bh8"])
-def test_automatic_choice_resident_batched(kernels, monkeypatch, n, bh, way):
-    """Rows of up to half a narrow tile take the resident kernel from a quarter of BH 1's count of
-    gathers from BH 4 (launch_resident). L8-R8 at V 8, sparsity 0.7, M = K = 1024 (132 SMs): rows of
-    64 bytes at BH 1 gather 2.5 KB an SM against 24 KB (the gather kernel); at BH 8, 19.9 KB against
-    6 (before, 24: the gather kernel, 1.53x the resident kernel's time in the forced run); rows of 32
-    bytes at BH 8, 9.9 KB against 3 (before, 12: 1.55x)."""
+@pytest.mark.parametrize("b_bits, n, bh, way", [(8, 64, 1, "gather"), (8, 64, 8, "resident"), (8, 32, 8, "resident"),
+                                                (4, 256, 8, "resident")],
+                         ids=["64-byte-rows-bh1", "64-byte-rows-bh8", "32-byte-rows-bh8", "4-bit-b-128-byte-rows-bh8"])
+def test_automatic_choice_resident_batched(kernels, monkeypatch, b_bits, n, bh, way):
+    """Rows of up to half a narrow tile, and 4-bit B's rows of a whole one at V 8, take the resident
+    kernel from a quarter of BH 1's count of gathers from BH 4 (launch_resident). L8-R8 at V 8,
+    sparsity 0.7, M = K = 1024 (132 SMs): rows of 64 bytes at BH 1 gather 2.5 KB an SM against 24 KB
+    (the gather kernel); at BH 8, 19.9 KB against 6 (before, 24: the gather kernel, 1.53x the
+    resident kernel's time in the forced run); rows of 32 bytes at BH 8, 9.9 KB against 3 (before,
+    12: 1.55x). L8-R4 of N 256 (rows of 128 bytes) at BH 8: 38.8 KB against 24 (before, 96: 1.08x)."""
     monkeypatch.delenv("MAGICUBE_SPMM_KERNEL", raising=False)
-    call, reference = _problem(8, 8, 8, 0.7, 1024, n, bh=bh)
+    call, reference = _problem(8, b_bits, 8, 0.7, 1024, n, bh=bh)
     assert torch.equal(call(), reference)
     assert _ways_run(call=call) == {way}
 
