@@ -129,32 +129,31 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
     assert _ways_run(*shape) == {"dense"}
 
 
-@wgmma_estimate
-@pytest.mark.parametrize("shape, way", [((8, 8, 4, 0.9, 2048, 128), "resident"), ((8, 8, 2, 0.5, 2048, 256), "dense")],
-                         ids=["resident", "dense"])
-def test_automatic_choice_batched(kernels, monkeypatch, shape, way):
-    """The dense estimate counts 1.3x from BH 16 (batched_dense). L8-R8 at V 4, sparsity 0.9, M = K =
-    2048, N 128 and BH 16 takes the resident kernel, by the estimates 60.7 us against 47.8 (unscaled,
-    46.7: the dense path, which took 1.52x the resident kernel's time in this cell); at V 2, sparsity
-    0.5, N 256 the dense path still runs, by 117 against 664."""
-    monkeypatch.delenv("MAGICUBE_SPMM_KERNEL", raising=False)
-    call, reference = _problem(*shape, bh=16)
-    assert torch.equal(call(), reference)
-    assert _ways_run(call=call) == {way}
+# (a_bits, b_bits, V, sparsity, M = K, N), BH, the way. The dense estimate counts 1.3x from BH 16
+# (batched_dense; its estimate is our wgmma GEMM's): L8-R8 at V 4, sparsity 0.9, M = K = 2048, N 128
+# takes the resident kernel, by the estimates 60.7 us against 47.8 (unscaled, 46.7: the dense path,
+# which took 1.52x the resident kernel's time in this cell); at V 2, sparsity 0.5, N 256 the dense
+# path still runs, by 117 against 664. Rows of up to half a narrow tile, and 4-bit B's rows of a
+# whole one at V 8, take the resident kernel from a quarter of BH 1's count of gathers from BH 4
+# (launch_resident). L8-R8 at V 8, sparsity 0.7, M = K = 1024 (132 SMs): rows of 64 bytes at BH 1
+# gather 2.5 KB an SM against 24 KB (the gather kernel); at BH 8, 19.9 KB against 6 (before, 24: the
+# gather kernel, 1.53x the resident kernel's time in the forced run); rows of 32 bytes at BH 8, 9.9
+# KB against 3 (before, 12: 1.55x). L8-R4 of N 256 (rows of 128 bytes) at BH 8: 38.8 KB against 24
+# (before, 96: 1.08x).
+BATCHED_CASES = [
+    pytest.param((8, 8, 4, 0.9, 2048, 128), 16, "resident", id="dense-factor-resident", marks=wgmma_estimate),
+    pytest.param((8, 8, 2, 0.5, 2048, 256), 16, "dense", id="dense-factor-dense", marks=wgmma_estimate),
+    pytest.param((8, 8, 8, 0.7, 1024, 64), 1, "gather", id="64-byte-rows-bh1"),
+    pytest.param((8, 8, 8, 0.7, 1024, 64), 8, "resident", id="64-byte-rows-bh8"),
+    pytest.param((8, 8, 8, 0.7, 1024, 32), 8, "resident", id="32-byte-rows-bh8"),
+    pytest.param((8, 4, 8, 0.7, 1024, 256), 8, "resident", id="4-bit-b-128-byte-rows-bh8"),
+]
 
 
-@pytest.mark.parametrize("b_bits, n, bh, way", [(8, 64, 1, "gather"), (8, 64, 8, "resident"), (8, 32, 8, "resident"),
-                                                (4, 256, 8, "resident")],
-                         ids=["64-byte-rows-bh1", "64-byte-rows-bh8", "32-byte-rows-bh8", "4-bit-b-128-byte-rows-bh8"])
-def test_automatic_choice_resident_batched(kernels, monkeypatch, b_bits, n, bh, way):
-    """Rows of up to half a narrow tile, and 4-bit B's rows of a whole one at V 8, take the resident
-    kernel from a quarter of BH 1's count of gathers from BH 4 (launch_resident). L8-R8 at V 8,
-    sparsity 0.7, M = K = 1024 (132 SMs): rows of 64 bytes at BH 1 gather 2.5 KB an SM against 24 KB
-    (the gather kernel); at BH 8, 19.9 KB against 6 (before, 24: the gather kernel, 1.53x the
-    resident kernel's time in the forced run); rows of 32 bytes at BH 8, 9.9 KB against 3 (before,
-    12: 1.55x). L8-R4 of N 256 (rows of 128 bytes) at BH 8: 38.8 KB against 24 (before, 96: 1.08x)."""
+@pytest.mark.parametrize("shape, bh, way", BATCHED_CASES)
+def test_automatic_choice_batched(kernels, monkeypatch, shape, bh, way):
     monkeypatch.delenv("MAGICUBE_SPMM_KERNEL", raising=False)
-    call, reference = _problem(8, b_bits, 8, 0.7, 1024, n, bh=bh)
+    call, reference = _problem(*shape, bh=bh)
     assert torch.equal(call(), reference)
     assert _ways_run(call=call) == {way}
 
