@@ -202,8 +202,15 @@ void launch(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStr
 // by BH of the counts before; 246 cells 0.33-0.94x, one 1.09x. 4-bit B's rows of a whole narrow tile
 // (N 256) at V 8 take the same counts: over 200 cells (4- to 16-bit A, BH 2-32, M = K 512-4096,
 // sparsity 0.5-0.98) they took 0.93-1.00x the time by BH, 41 cells 0.77-0.94x, two 1.05x and 1.07x.
-// Not at V 4, where the forced runs showed the resident kernel winning only from about 48 KB, nor on
-// rows of 256 bytes, where cells of 16 KB at BH 16 and 32 took up to 1.30x.
+// Not at V 4, where the forced runs showed the resident kernel winning only from about 48 KB, nor
+// on rows of 256 bytes, where cells of 16 KB at BH 16 and 32 took up to 1.30x. But at V 4 12- and
+// 16-bit A (16-bit containers) on 4-bit B's rows of 65-128 bytes take a quarter of the count from
+// BH 8 where A's rows average four blocks or more: the 25 such cells of the forced runs and of an
+// A/B on a first draft (H200, L16-R4, L12-R4, unsigned L16-R4, BH 8-24, M = K 512-1536, sparsity
+// 0.65-0.92) took 0.71-1.05x the time of the choice before, while shorter rows took up to 1.16x (34
+// cells) and 8-bit B's rows of 65-128 bytes up to 1.46x. In an A/B against 14e92c5 on 72 cells it
+// had not seen (N 160-256, BH 8-24, M = K 640-1408, sparsity 0.6-0.88) it took 0.85x the time on
+// the geometric mean, 0.67-1.06x by cell (kernel_checks.md, fifty-ninth round).
 // Wider rows of 8-bit B take the gather kernel's wide tile at L2 bandwidth, and the resident
 // kernel's shared-memory gathers lose to bank conflicts (N 256: 8.6 against 14.5 us at the SpMM
 // target). Returns whether it ran.
@@ -227,7 +234,11 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const int64_t tile = sd::kNarrowTileBytes, rb = p.row_bytes;
   const int64_t gathers = bh * nnz_pad * rb / (props->multiProcessorCount * p.v);
   const bool narrow = rb <= tile || (BB == 4 && rb <= 2 * tile);
-  const int64_t batched = 2 * rb <= tile || (BB == 4 && p.v == 8 && rb <= tile) ? std::min<int64_t>(bh, 4) : 1;
+  const bool long_rows = nnz_pad >= 4 * kSlots * vrows;
+  const int64_t batched =
+      2 * rb <= tile || (BB == 4 && p.v == 8 && rb <= tile) ? std::min<int64_t>(bh, 4)
+      : AB == 16 && BB == 4 && p.v == 4 && rb <= tile && bh >= 8 && long_rows ? 4
+                                                                               : 1;
   const int64_t pays_from = (8 * rb <= tile   ? 6 << 10
                              : 4 * rb <= tile ? 12 << 10
                              : 2 * rb <= tile ? 24 << 10

@@ -139,7 +139,10 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
 # gather 2.5 KB an SM against 24 KB (the gather kernel); at BH 8, 19.9 KB against 6 (before, 24: the
 # gather kernel, 1.53x the resident kernel's time in the forced run); rows of 32 bytes at BH 8, 9.9
 # KB against 3 (before, 12: 1.55x). L8-R4 of N 256 (rows of 128 bytes) at BH 8: 38.8 KB against 24
-# (before, 96: 1.08x).
+# (before, 96: 1.08x). 12- and 16-bit A at V 4 on such rows take a quarter from BH 8 where A's rows
+# average four blocks or more: L16-R4 at N 256, sparsity 0.85, M = K = 1024 (five blocks a row), BH
+# 8: 77.6 KB against 24 (before, 96); at sparsity 0.95 (two blocks a row), BH 16: 62.1 KB, still
+# against 96 (the gather kernel).
 BATCHED_CASES = [
     pytest.param((8, 8, 4, 0.9, 2048, 128), 16, "resident", id="dense-factor-resident", marks=wgmma_estimate),
     pytest.param((8, 8, 2, 0.5, 2048, 256), 16, "dense", id="dense-factor-dense", marks=wgmma_estimate),
@@ -147,6 +150,8 @@ BATCHED_CASES = [
     pytest.param((8, 8, 8, 0.7, 1024, 64), 8, "resident", id="64-byte-rows-bh8"),
     pytest.param((8, 8, 8, 0.7, 1024, 32), 8, "resident", id="32-byte-rows-bh8"),
     pytest.param((8, 4, 8, 0.7, 1024, 256), 8, "resident", id="4-bit-b-128-byte-rows-bh8"),
+    pytest.param((16, 4, 4, 0.85, 1024, 256), 8, "resident", id="16-bit-a-v4-long-rows-bh8"),
+    pytest.param((16, 4, 4, 0.95, 1024, 256), 16, "gather", id="16-bit-a-v4-short-rows-bh16"),
 ]
 
 
