@@ -210,7 +210,13 @@ void launch(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStr
 // 0.65-0.92) took 0.71-1.05x the time of the choice before, while shorter rows took up to 1.16x (34
 // cells) and 8-bit B's rows of 65-128 bytes up to 1.46x. In an A/B against 14e92c5 on 72 cells it
 // had not seen (N 160-256, BH 8-24, M = K 640-1408, sparsity 0.6-0.88) it took 0.85x the time on
-// the geometric mean, 0.67-1.06x by cell (kernel_checks.md, fifty-ninth round).
+// the geometric mean, 0.67-1.06x by cell (kernel_checks.md, fifty-ninth round). 4- and 8-bit A take
+// the same on rows of 65-96 bytes from BH 8 to 16: forced, the resident kernel took 0.71-0.97x the
+// gather kernel's time on such rows of four blocks or more (L8-R4 and L4-R4, N 160 and 192, BH 8-16),
+// but up to 1.25x on rows of 128 bytes and 1.09-1.21x at BH 24; rows of 112 bytes (N 224) took up to
+// 1.21x at BH 12. In two A/Bs on cells it had not seen (signed and unsigned A, M = K 672-1024,
+// sparsity 0.62-0.8) it took 0.82x and 0.84x the time on the geometric mean (218 and 226 cells),
+// 0.64-1.06x by cell (kernel_checks.md, sixtieth round).
 // Wider rows of 8-bit B take the gather kernel's wide tile at L2 bandwidth, and the resident
 // kernel's shared-memory gathers lose to bank conflicts (N 256: 8.6 against 14.5 us at the SpMM
 // target). Returns whether it ran.
@@ -235,9 +241,10 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const int64_t gathers = bh * nnz_pad * rb / (props->multiProcessorCount * p.v);
   const bool narrow = rb <= tile || (BB == 4 && rb <= 2 * tile);
   const bool long_rows = nnz_pad >= 4 * kSlots * vrows;
-  const int64_t batched =
-      2 * rb <= tile || (BB == 4 && p.v == 8 && rb <= tile) ? std::min<int64_t>(bh, 4)
-      : AB == 16 && BB == 4 && p.v == 4 && rb <= tile && bh >= 8 && long_rows ? 4
+  const bool quarter_at_v4 = BB == 4 && p.v == 4 && bh >= 8 && long_rows &&
+                             (AB == 16 ? rb <= tile : 4 * rb <= 3 * tile && bh <= 16);
+  const int64_t batched = 2 * rb <= tile || (BB == 4 && p.v == 8 && rb <= tile) ? std::min<int64_t>(bh, 4)
+                          : quarter_at_v4                                      ? 4
                                                                                : 1;
   const int64_t pays_from = (8 * rb <= tile   ? 6 << 10
                              : 4 * rb <= tile ? 12 << 10

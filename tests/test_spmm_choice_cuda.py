@@ -142,7 +142,10 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
 # (before, 96: 1.08x). 12- and 16-bit A at V 4 on such rows take a quarter from BH 8 where A's rows
 # average four blocks or more: L16-R4 at N 256, sparsity 0.85, M = K = 1024 (five blocks a row), BH
 # 8: 77.6 KB against 24 (before, 96); at sparsity 0.95 (two blocks a row), BH 16: 62.1 KB, still
-# against 96 (the gather kernel).
+# against 96 (the gather kernel). 4- and 8-bit A take it on rows of up to 96 bytes to BH 16: L8-R4
+# and L4-R4 at N 192, sparsity 0.8, M = K = 768 (five blocks a row), BH 8: 43.6 KB against 24
+# (before, 96); L8-R4 at N 224 (rows of 112 bytes), M = K = 640, BH 16: 67.9 KB, and at N 160, BH 24:
+# 72.7 KB, still against 96.
 BATCHED_CASES = [
     pytest.param((8, 8, 4, 0.9, 2048, 128), 16, "resident", id="dense-factor-resident", marks=wgmma_estimate),
     pytest.param((8, 8, 2, 0.5, 2048, 256), 16, "dense", id="dense-factor-dense", marks=wgmma_estimate),
@@ -152,6 +155,10 @@ BATCHED_CASES = [
     pytest.param((8, 4, 8, 0.7, 1024, 256), 8, "resident", id="4-bit-b-128-byte-rows-bh8"),
     pytest.param((16, 4, 4, 0.85, 1024, 256), 8, "resident", id="16-bit-a-v4-long-rows-bh8"),
     pytest.param((16, 4, 4, 0.95, 1024, 256), 16, "gather", id="16-bit-a-v4-short-rows-bh16"),
+    pytest.param((8, 4, 4, 0.8, 768, 192), 8, "resident", id="8-bit-a-v4-long-rows-bh8"),
+    pytest.param((4, 4, 4, 0.8, 768, 192), 8, "resident", id="4-bit-a-v4-long-rows-bh8"),
+    pytest.param((8, 4, 4, 0.8, 640, 224), 16, "gather", id="8-bit-a-v4-112-byte-rows-bh16"),
+    pytest.param((8, 4, 4, 0.8, 640, 160), 24, "gather", id="8-bit-a-v4-long-rows-bh24"),
 ]
 
 
