@@ -212,11 +212,11 @@ void launch(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStr
 // had not seen (N 160-256, BH 8-24, M = K 640-1408, sparsity 0.6-0.88) it took 0.85x the time on
 // the geometric mean, 0.67-1.06x by cell (kernel_checks.md, fifty-ninth round). 4- and 8-bit A take
 // the same on rows of 65-96 bytes from BH 8 to 16: forced, the resident kernel took 0.71-0.97x the
-// gather kernel's time on such rows of four blocks or more (L8-R4 and L4-R4, N 160 and 192, BH 8-16),
-// but up to 1.25x on rows of 128 bytes and 1.09-1.21x at BH 24; rows of 112 bytes (N 224) took up to
-// 1.21x at BH 12. In two A/Bs on cells it had not seen (signed and unsigned A, M = K 672-1024,
-// sparsity 0.62-0.8) it took 0.82x and 0.84x the time on the geometric mean (218 and 226 cells),
-// 0.64-1.06x by cell (kernel_checks.md, sixtieth round).
+// gather kernel's time on such rows of four blocks or more (L8-R4 and L4-R4, N 160 and 192, BH 8-16,
+// 65 cells), but up to 1.16x on rows of 128 bytes and 1.02-1.21x at BH 24; in an A/B, rows of 112
+// bytes (N 224) took up to 1.21x at BH 12. In two A/Bs on cells it had not seen (signed and
+// unsigned A, M = K 672-1024, sparsity 0.62-0.8) it took 0.82x and 0.84x the time on the geometric
+// mean (218 and 226 cells), 0.64-1.06x by cell (kernel_checks.md, sixtieth round).
 // Wider rows of 8-bit B take the gather kernel's wide tile at L2 bandwidth, and the resident
 // kernel's shared-memory gathers lose to bank conflicts (N 256: 8.6 against 14.5 us at the SpMM
 // target). Returns whether it ran.
