@@ -179,6 +179,16 @@ void launch(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStr
       p, [&]<int TB>() { launch_fast<AB, AS, BB, TB>(p, vrows, bh, nnz_pad, stream, choice, a_bits); });
 }
 
+// The resident kernel's CTAs a (slice, bh) at WARPS warps a CTA: as many as one wave holds, at most
+// one a WARPS vector rows; and the vector rows each warp then runs.
+template <auto Kernel, int WARPS>
+std::pair<int64_t, int64_t> resident_groups(int64_t smem, int64_t slices, int64_t vrows, int64_t bh) {
+  const int64_t ctas = static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) *
+                       std::max(magicube::max_active_ctas<Kernel>(32 * WARPS, smem), 1);
+  const int64_t groups = std::clamp<int64_t>(ctas / (slices * bh), 1, (vrows + WARPS - 1) / WARPS);
+  return {groups, (vrows + groups * WARPS - 1) / (groups * WARPS)};
+}
+
 // The resident-B kernel, where it applies: 8- or 4-bit B whose rows take 16-byte copies and a
 // 32-byte slice of all of B's rows fitting one CTA's shared memory. By default it runs on rows of
 // up to one of the gather kernel's narrow tiles (128 bytes), or two of 4-bit B (which that kernel
@@ -227,14 +237,12 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   if (choice == Choice::kGather || choice == Choice::kStacked || choice == Choice::kMerged || forces_dense(choice) ||
       !fast)
     return false;
-  constexpr auto kernel = sd::spmm_resident_kernel<AB, AS, BB>;
+  constexpr auto wide = sd::spmm_resident_kernel<AB, AS, BB, 16>;
+  constexpr auto small = sd::spmm_resident_kernel<AB, AS, BB, 4>;
   const int64_t smem = (static_cast<int64_t>(p.k) + 1) * sd::kResidentSliceBytes;
-  if (smem > magicube::max_dynamic_smem<kernel>()) return false;
+  if (smem > magicube::max_dynamic_smem<wide>() || smem > magicube::max_dynamic_smem<small>()) return false;
   const auto* props = at::cuda::getCurrentDeviceProperties();
-  const int per_sm = magicube::max_active_ctas<kernel>(sd::kResidentThreads, smem);
   const int64_t slices = (p.row_bytes + sd::kResidentSliceBytes - 1) / sd::kResidentSliceBytes;
-  const int64_t groups = std::clamp<int64_t>(props->multiProcessorCount * std::max(per_sm, 1) / (slices * bh), 1,
-                                             (vrows + sd::kResidentWarps - 1) / sd::kResidentWarps);
   // The gather kernel's bytes per SM and unit of V (each gathered row feeds V output rows), and
   // where the resident kernel starts to pay, by the share of the narrow tile that a row fills.
   const int64_t tile = sd::kNarrowTileBytes, rb = p.row_bytes;
@@ -243,9 +251,8 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const bool long_rows = nnz_pad >= 4 * kSlots * vrows;
   const bool quarter_at_v4 = BB == 4 && p.v == 4 && bh >= 8 && long_rows &&
                              (AB == 16 ? rb <= tile : 4 * rb <= 3 * tile && bh <= 16);
-  const int64_t batched = 2 * rb <= tile || (BB == 4 && p.v == 8 && rb <= tile) ? std::min<int64_t>(bh, 4)
-                          : quarter_at_v4                                      ? 4
-                                                                               : 1;
+  const int64_t batched =
+      2 * rb <= tile || (BB == 4 && p.v == 8 && rb <= tile) || quarter_at_v4 ? std::min<int64_t>(bh, 4) : 1;
   const int64_t pays_from = (8 * rb <= tile   ? 6 << 10
                              : 4 * rb <= tile ? 12 << 10
                              : 2 * rb <= tile ? 24 << 10
@@ -255,8 +262,14 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const bool pays = narrow && gathers >= pays_from;
   if (choice == Choice::kAuto && !pays) return false;
   MAGICUBE_CHECK(slices <= 65535, "spmm: N too large");
-  const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>(slices), static_cast<unsigned>(bh));
-  magicube::launch_overlapped(kernel, grid, dim3(sd::kResidentThreads), static_cast<size_t>(smem), stream, p);
+  // CTAs of 4 warps where they give a warp fewer rows (the kernel's comment).
+  const auto [wide_groups, wide_rows] = resident_groups<wide, 16>(smem, slices, vrows, bh);
+  const auto [small_groups, small_rows] = resident_groups<small, 4>(smem, slices, vrows, bh);
+  const bool split = small_rows < wide_rows;
+  const dim3 grid(static_cast<unsigned>(split ? small_groups : wide_groups), static_cast<unsigned>(slices),
+                  static_cast<unsigned>(bh));
+  if (split) magicube::launch_overlapped(small, grid, dim3(32 * 4), static_cast<size_t>(smem), stream, p);
+  else magicube::launch_overlapped(wide, grid, dim3(32 * 16), static_cast<size_t>(smem), stream, p);
   return true;
 }
 

@@ -973,8 +973,12 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
 // L = 4096) ran 115 blocks more than the others and was the kernel's tail. The shares come from
 // a scan of the row lengths that each CTA runs while its slice loads (no host read of the
 // pattern); a mask without long rows (the longest_row hint) skips the scan (1.5-3 us at L = 4096).
-constexpr int kResidentWarps = 16;
-constexpr int kResidentThreads = 32 * kResidentWarps;
+//
+// A CTA has WARPS warps: 16, or 4 where the grid of 16-warp CTAs would leave SMs idle (the host's
+// choice, launch_resident). At 128 registers a thread one CTA of 16 warps fills an SM's register
+// file, so the grid gives each (slice, bh) floor(SMs / (slices x BH)) CTAs and a warp runs
+// vrows / (16 x that) rows: at BH 24 and 3 slices 72 CTAs run on 132 SMs. Four CTAs of 4 warps
+// share an SM, each with its own slice, and split the rows four times finer.
 constexpr int kResidentSliceBytes = 32;  // two 16-byte chunks: 32 columns of 8-bit B, 64 of 4-bit
 
 // The slice is chunk-major: 16-byte chunk c of B row r lies at byte (c (K + 1) + r) 16, row K the
@@ -989,9 +993,14 @@ __device__ __forceinline__ int round_robin_position(int q, int per_warp, int sha
   return q % per_warp * share_warps + q / per_warp;
 }
 
-template <int AB, bool AS, int BB>
-__global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const Params p) {
+// Both sizes run at up to 128 registers a thread. For 16 warps the thread count alone sets that;
+// a stated minimum of one CTA an SM changed ptxas's allocation (L8-R8: 105 -> 111 registers, 3-5 %
+// more time), so none is stated (0).
+template <int AB, bool AS, int BB, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS, WARPS == 16 ? 0 : 4) spmm_resident_kernel(const Params p) {
   static_assert(BB == 8 || BB == 4, "8- or 4-bit B");
+  static_assert(WARPS == 16 || WARPS == 4, "16 warps a CTA, or 4 (four CTAs an SM)");
+  constexpr int kThreads = 32 * WARPS;
   using K = Kind<AB, AS, BB>;
   constexpr int kChunks = kResidentSliceBytes / 16;
   constexpr int kMT = kChunks * K::kColsPerChunk / 16;
@@ -1007,7 +1016,7 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
   // Where chunk `chunk` of B row `row` lies (the layout above).
   const uint32_t chunk_bytes = (p.k + 1) * 16;
   auto slice_at = [&](uint32_t row, int chunk) { return slice0 + chunk * chunk_bytes + row * 16; };
-  for (int i = threadIdx.x; i < kChunks * (p.k + 1); i += kResidentThreads) {
+  for (int i = threadIdx.x; i < kChunks * (p.k + 1); i += kThreads) {
     const int row = i / kChunks, chunk = i % kChunks;
     const int byte = byte0 + 16 * chunk;
     const bool in = row < p.k && byte < p.row_bytes;
@@ -1028,9 +1037,9 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
   // blocks + 1 (0 past the rows) and covers (S_q, S_q + c_q] of the running sum S, and warp w
   // starts where the sum first reaches w T / W (T the total), after the one q whose
   // (S_q W, (S_q + c_q) W] holds w T. Two scans of the row lengths: T, then the runs.
-  __shared__ int warp_sums[kResidentWarps];
-  __shared__ int run_start[kResidentWarps + 1];
-  const int share_warps = gridDim.x * kResidentWarps;
+  __shared__ int warp_sums[WARPS];
+  __shared__ int run_start[WARPS + 1];
+  const int share_warps = gridDim.x * WARPS;
   const int per_warp = (vrows + share_warps - 1) / share_warps;
   const int virtual_rows = share_warps * per_warp;
   auto cost = [&](int q) {
@@ -1040,18 +1049,18 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
     return (p.row_ptr[2 * vr + 1] - p.row_ptr[2 * vr] + kSlots - 1) / kSlots + 1;
   };
   auto scan = [&](int x, int64_t& total) {
-    const int before = cta_exclusive_scan<kResidentWarps>(x, total, warp_sums);
+    const int before = cta_exclusive_scan<WARPS>(x, total, warp_sums);
     __syncthreads();
     return before;
   };
-  const int w0 = blockIdx.x * kResidentWarps;
+  const int w0 = blockIdx.x * WARPS;
   int run0 = (w0 + warp) * per_warp, run1 = run0 + per_warp;  // the round robin
   if (p.balance) {
     int64_t total = 0;
-    for (int base = 0; base < virtual_rows; base += kResidentThreads) scan(cost(base + threadIdx.x), total);
-    if (threadIdx.x <= kResidentWarps) run_start[threadIdx.x] = (w0 + threadIdx.x == 0) ? 0 : virtual_rows;
+    for (int base = 0; base < virtual_rows; base += kThreads) scan(cost(base + threadIdx.x), total);
+    if (threadIdx.x <= WARPS) run_start[threadIdx.x] = (w0 + threadIdx.x == 0) ? 0 : virtual_rows;
     int64_t before = 0;
-    for (int base = 0; base < virtual_rows; base += kResidentThreads) {
+    for (int base = 0; base < virtual_rows; base += kThreads) {
       const int q = base + threadIdx.x;
       const int c = cost(q);
       int64_t chunk = 0;
@@ -1060,7 +1069,7 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
       if (c > 0) {
         // w with s0 W < w T <= (s0 + c) W, inside this CTA's warps (and the next CTA's first)
         const int64_t lo = s0 * share_warps / total + 1, hi = (s0 + c) * share_warps / total;
-        const int64_t first_w = lo > w0 ? lo : w0, last_w = hi < w0 + kResidentWarps ? hi : w0 + kResidentWarps;
+        const int64_t first_w = lo > w0 ? lo : w0, last_w = hi < w0 + WARPS ? hi : w0 + WARPS;
         for (int64_t w = first_w; w <= last_w; ++w) run_start[w - w0] = q + 1;
       }
     }
@@ -1086,8 +1095,8 @@ __global__ void __launch_bounds__(kResidentThreads) spmm_resident_kernel(const P
   Row mine{0, 0, 0};
   // A q past the rows (vrow -1) runs as an empty row that writes nothing. The order's shape is
   // read back from shared memory (a copy per warp), not kept in registers across the row loop,
-  // which runs at the 128-register cap of 512 threads (kept live, it cost L8-R4 16 bytes of spills).
-  __shared__ int order_shape[kResidentWarps][3];
+  // which runs at the 128-register cap (kept live, it cost L8-R4 16 bytes of spills).
+  __shared__ int order_shape[WARPS][3];
   if (lane < 3) order_shape[warp][lane] = lane == 0 ? per_warp : lane == 1 ? share_warps : vrows;
   __syncwarp();
   auto load_rows = [&](int base) {

@@ -74,6 +74,19 @@ def main() -> int:
                     if not check(g, p, vm.to_dense(), 2, 130, n, v, a_bits, b_bits, a_signed):
                         bad += 1
                         print(f"MISMATCH {kernel} v={v} n={n} a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
+    # The resident-B kernel's CTAs of 4 warps: rows of 96 bytes (three slices) at BH 24, 40 vector
+    # rows (an empty one and a full one).
+    os.environ["MAGICUBE_SPMM_KERNEL"] = "resident"
+    for v in (2, 8):
+        mask = random_vector_mask(40 * v, 130, v, 0.7, seed=v).mask.clone()
+        mask[0], mask[5] = False, True
+        vm = VectorMask(mask, v)
+        p = SRBCRS.from_mask(vm, stride=32)
+        for a_bits, b_bits, a_signed in KINDS:
+            n = 96 * 8 // b_bits
+            if b_bits in (8, 4) and not check(g, p, vm.to_dense(), 24, 130, n, v, a_bits, b_bits, a_signed):
+                bad += 1
+                print(f"MISMATCH resident, 4-warp CTAs: v={v} a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
     # V 2 rows merged four at a time, an empty row and a full one among them: the union in one
     # window, and (the longest row understated) in windows of 32 columns.
     os.environ["MAGICUBE_SPMM_KERNEL"] = "merged"

@@ -219,6 +219,28 @@ def test_stacked_planes(kernels, monkeypatch, case):
     assert (stacked, merged) == (str(stack), "false")
 
 
+# The resident-B kernel's CTAs: 16 warps, or 4 (four an SM) where one wave of 16-warp CTAs would give
+# its warps more rows (launch_resident). Rows of 96 bytes (three 32-byte slices) of 8- and 4-bit B, 88
+# vector rows: at BH 24, 72 (slice, batch x head) pairs, which one 16-warp CTA an SM covers once (on
+# GPUs of under 144 SMs: 16 warps a pair, 6 rows a warp), 4-warp CTAs five times or more (from 90
+# SMs: 20 warps or more, 5 rows or fewer); at BH 1, 3 pairs, which 16-warp CTAs already split to a row a warp.
+sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 0
+
+
+@pytest.mark.skipif(not 90 <= sms < 144, reason="the cases' grids hold for GPUs of 90-143 SMs")
+@pytest.mark.parametrize("a_bits, b_bits, v", [(8, 8, 8), (16, 8, 4), (8, 4, 4), (4, 4, 8)],
+                         ids=["L8-R8-v8", "L16-R8-v4", "L8-R4-v4", "L4-R4-v8"])
+@pytest.mark.parametrize("bh, warps", [(24, 4), (1, 16)], ids=["bh24", "bh1"])
+def test_resident_cta_warps(kernels, monkeypatch, a_bits, b_bits, v, bh, warps):
+    """The resident kernel runs exactly, its instance's last template argument (WARPS) the case's."""
+    monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", "resident")
+    call, reference = _problem(a_bits, b_bits, v, 0.8, 88 * v, 96 * 8 // b_bits, bh=bh)
+    assert torch.equal(call(), reference)
+    names = [name for name in _kernels_run(call=call) if WAY_KERNELS["resident"] in name]
+    assert len(names) == 1, names
+    assert names[0].split(WAY_KERNELS["resident"])[1].split(">")[0].split(", ")[-1] == str(warps)
+
+
 # (a_bits, b_bits, V, sparsity, M = K, N[, A signed, output dtype], MAGICUBE_SPMM_KERNEL, whether the
 # gather kernel merges V 2 rows four at a time): by default on rows of B of 128 bytes or more (4-bit
 # B: fp16 output only), rows of A of at most four blocks on the mean and three merged CTAs an SM or
