@@ -226,7 +226,15 @@ std::pair<int64_t, int64_t> resident_groups(int64_t smem, int64_t slices, int64_
 // 65 cells), but up to 1.16x on rows of 128 bytes and 1.02-1.21x at BH 24; in an A/B, rows of 112
 // bytes (N 224) took up to 1.21x at BH 12. In two A/Bs on cells it had not seen (signed and
 // unsigned A, M = K 672-1024, sparsity 0.62-0.8) it took 0.82x and 0.84x the time on the geometric
-// mean (218 and 226 cells), 0.64-1.06x by cell (kernel_checks.md, sixtieth round).
+// mean (218 and 226 cells), 0.64-1.06x by cell (kernel_checks.md, sixtieth round). Where the grid
+// runs CTAs of 4 warps (resident_groups), rows of 65-96 bytes of either B take a quarter from BH 8,
+// whatever their V and length: forced on such grids where the choice took the gather kernel (H200,
+// 150 cells, BH 10-32), the resident kernel took 0.68-0.84x its time on 4-bit B's rows of 80 and 96
+// bytes and 0.74-0.98x on 8-bit B's of 96, against 0.83-1.08x on rows of 112 and 128 bytes of 4-bit
+// B and 0.97-1.32x on 8-bit B's of 128. In an A/B against 0501f9c on 343 cells it had not seen (4- to
+// 16-bit A, N 80-192, V 2-8, BH 8-28, M = K 576-1344, sparsity 0.65-0.93) it took 0.83x the time on
+// the geometric mean, 0.64-1.13x by cell; the nine over 1.03x are 8-bit B's rows of two or three
+// blocks at V 4 and sparsity 0.93 (kernel_checks.md, sixty-first round).
 // Wider rows of 8-bit B take the gather kernel's wide tile at L2 bandwidth, and the resident
 // kernel's shared-memory gathers lose to bank conflicts (N 256: 8.6 against 14.5 us at the SpMM
 // target). Returns whether it ran.
@@ -243,6 +251,10 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   if (smem > magicube::max_dynamic_smem<wide>() || smem > magicube::max_dynamic_smem<small>()) return false;
   const auto* props = at::cuda::getCurrentDeviceProperties();
   const int64_t slices = (p.row_bytes + sd::kResidentSliceBytes - 1) / sd::kResidentSliceBytes;
+  // CTAs of 4 warps where they give a warp fewer rows (the kernel's comment).
+  const auto [wide_groups, wide_rows] = resident_groups<wide, 16>(smem, slices, vrows, bh);
+  const auto [small_groups, small_rows] = resident_groups<small, 4>(smem, slices, vrows, bh);
+  const bool split = small_rows < wide_rows;
   // The gather kernel's bytes per SM and unit of V (each gathered row feeds V output rows), and
   // where the resident kernel starts to pay, by the share of the narrow tile that a row fills.
   const int64_t tile = sd::kNarrowTileBytes, rb = p.row_bytes;
@@ -251,8 +263,10 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const bool long_rows = nnz_pad >= 4 * kSlots * vrows;
   const bool quarter_at_v4 = BB == 4 && p.v == 4 && bh >= 8 && long_rows &&
                              (AB == 16 ? rb <= tile : 4 * rb <= 3 * tile && bh <= 16);
-  const int64_t batched =
-      2 * rb <= tile || (BB == 4 && p.v == 8 && rb <= tile) || quarter_at_v4 ? std::min<int64_t>(bh, 4) : 1;
+  const bool quarter_split = split && bh >= 8 && 4 * rb <= 3 * tile;
+  const int64_t batched = 2 * rb <= tile || (BB == 4 && p.v == 8 && rb <= tile) || quarter_at_v4 || quarter_split
+                              ? std::min<int64_t>(bh, 4)
+                              : 1;
   const int64_t pays_from = (8 * rb <= tile   ? 6 << 10
                              : 4 * rb <= tile ? 12 << 10
                              : 2 * rb <= tile ? 24 << 10
@@ -262,10 +276,6 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const bool pays = narrow && gathers >= pays_from;
   if (choice == Choice::kAuto && !pays) return false;
   MAGICUBE_CHECK(slices <= 65535, "spmm: N too large");
-  // CTAs of 4 warps where they give a warp fewer rows (the kernel's comment).
-  const auto [wide_groups, wide_rows] = resident_groups<wide, 16>(smem, slices, vrows, bh);
-  const auto [small_groups, small_rows] = resident_groups<small, 4>(smem, slices, vrows, bh);
-  const bool split = small_rows < wide_rows;
   const dim3 grid(static_cast<unsigned>(split ? small_groups : wide_groups), static_cast<unsigned>(slices),
                   static_cast<unsigned>(bh));
   if (split) magicube::launch_overlapped(small, grid, dim3(32 * 4), static_cast<size_t>(smem), stream, p);
