@@ -234,7 +234,9 @@ std::pair<int64_t, int64_t> resident_groups(int64_t smem, int64_t slices, int64_
 // B and 0.97-1.32x on 8-bit B's of 128. In an A/B against 0501f9c on 343 cells it had not seen (4- to
 // 16-bit A, N 80-192, V 2-8, BH 8-28, M = K 576-1344, sparsity 0.65-0.93) it took 0.83x the time on
 // the geometric mean, 0.64-1.13x by cell; the nine over 1.03x are 8-bit B's rows of two or three
-// blocks at V 4 and sparsity 0.93 (kernel_checks.md, sixty-first round).
+// blocks at V 4 and sparsity 0.93. So do 4-bit B's rows of up to 112 bytes where A's rows average
+// four blocks or more: 0.94x over 124 such cells of a second A/B, 0.82-1.04x by cell; rows of 128
+// bytes, left out, took 0.98x on the mean and up to 1.12x (kernel_checks.md, sixty-first round).
 // Wider rows of 8-bit B take the gather kernel's wide tile at L2 bandwidth, and the resident
 // kernel's shared-memory gathers lose to bank conflicts (N 256: 8.6 against 14.5 us at the SpMM
 // target). Returns whether it ran.
@@ -263,7 +265,7 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const bool long_rows = nnz_pad >= 4 * kSlots * vrows;
   const bool quarter_at_v4 = BB == 4 && p.v == 4 && bh >= 8 && long_rows &&
                              (AB == 16 ? rb <= tile : 4 * rb <= 3 * tile && bh <= 16);
-  const bool quarter_split = split && bh >= 8 && 4 * rb <= 3 * tile;
+  const bool quarter_split = split && bh >= 8 && (4 * rb <= 3 * tile || (BB == 4 && 8 * rb <= 7 * tile && long_rows));
   const int64_t batched = 2 * rb <= tile || (BB == 4 && p.v == 8 && rb <= tile) || quarter_at_v4 || quarter_split
                               ? std::min<int64_t>(bh, 4)
                               : 1;

@@ -21,9 +21,9 @@ wgmma_estimate = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.
                                     reason="the dense path's estimate here is its wgmma GEMM's (Hopper)")
 
 # Whether the resident kernel's grid takes CTAs of 4 warps depends on the SM count (launch_resident);
-# the cases that rely on it hold on GPUs of 90-143 SMs.
+# the cases that rely on it hold on GPUs of 108-143 SMs (the H100 PCIe has 114, SXM and H200 132).
 sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 0
-four_warp_grid = pytest.mark.skipif(not 90 <= sms < 144, reason="the case's resident grid holds for 90-143 SMs")
+four_warp_grid = pytest.mark.skipif(not 108 <= sms < 144, reason="the case's resident grid holds for 108-143 SMs")
 
 # A way, by a kernel that only it launches (the dense path's GEMM is cuBLAS's or one of ours).
 WAY_KERNELS = {"gather": "spmm_kernel<", "resident": "spmm_resident_kernel<", "dense": "expand_kernel<"}
@@ -151,10 +151,12 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
 # and L4-R4 at N 192, sparsity 0.8, M = K = 768 (five blocks a row), BH 8: 43.6 KB against 24
 # (before, 96); L8-R4 at N 224 (rows of 112 bytes), M = K = 640, BH 16: 67.9 KB, still against 96.
 # Rows of 65-96 bytes of either B take it from BH 8 where the resident grid runs CTAs of 4 warps (on
-# GPUs of 90-143 SMs at these shapes, test_resident_cta_warps): L8-R4 at N 160, M = K = 640, BH 24
+# GPUs of 108-143 SMs at these shapes, test_resident_cta_warps): L8-R4 at N 160, M = K = 640, BH 24
 # (72.7 KB, three slices, ten rows a warp in 16-warp CTAs, six in 4-warp ones) and L8-R8 at V 4, N
 # 96, sparsity 0.75, M = K = 512, BH 24 (69.8 KB), against 24 (before, 96); L8-R8 at V 8, N 128
-# (rows of 128 bytes), M = K = 768, BH 24: 52.4 KB, still against 96.
+# (rows of 128 bytes), M = K = 768, BH 24: 52.4 KB, still against 96. So do 4-bit B's rows of up to
+# 112 bytes where A's rows average four blocks or more: L8-R4 at N 224, sparsity 0.8, M = K = 704
+# (five blocks a row), BH 12: 70.0 KB against 24 (six rows a warp in 16-warp CTAs, four in 4-warp).
 BATCHED_CASES = [
     pytest.param((8, 8, 4, 0.9, 2048, 128), 16, "resident", id="dense-factor-resident", marks=wgmma_estimate),
     pytest.param((8, 8, 2, 0.5, 2048, 256), 16, "dense", id="dense-factor-dense", marks=wgmma_estimate),
@@ -170,6 +172,8 @@ BATCHED_CASES = [
     pytest.param((8, 4, 4, 0.8, 640, 160), 24, "resident", id="8-bit-a-v4-4-warp-ctas-bh24",
                  marks=four_warp_grid),
     pytest.param((8, 8, 4, 0.75, 512, 96), 24, "resident", id="8-bit-b-96-byte-rows-4-warp-ctas-bh24",
+                 marks=four_warp_grid),
+    pytest.param((8, 4, 4, 0.8, 704, 224), 12, "resident", id="4-bit-b-112-byte-long-rows-4-warp-ctas-bh12",
                  marks=four_warp_grid),
     pytest.param((8, 8, 8, 0.75, 768, 128), 24, "gather", id="8-bit-b-128-byte-rows-bh24"),
 ]
@@ -235,7 +239,7 @@ def test_stacked_planes(kernels, monkeypatch, case):
 # The resident-B kernel's CTAs: 16 warps, or 4 (four an SM) where one wave of 16-warp CTAs would give
 # its warps more rows (launch_resident). Rows of 96 bytes (three 32-byte slices) of 8- and 4-bit B, 88
 # vector rows: at BH 24, 72 (slice, batch x head) pairs, which one 16-warp CTA an SM covers once (16
-# warps a pair, 6 rows a warp), 4-warp CTAs five times or more (20 warps or more, 5 rows or fewer); at
+# warps a pair, 6 rows a warp), 4-warp CTAs six times or more (24 warps or more, 4 rows or fewer); at
 # BH 1, 3 pairs, which 16-warp CTAs already split to a row a warp.
 @four_warp_grid
 @pytest.mark.parametrize("a_bits, b_bits, v", [(8, 8, 8), (16, 8, 4), (8, 4, 4), (4, 4, 8)],
