@@ -250,6 +250,8 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   constexpr auto wide = sd::spmm_resident_kernel<AB, AS, BB, 16>;
   constexpr auto small = sd::spmm_resident_kernel<AB, AS, BB, 4>;
   const int64_t smem = (static_cast<int64_t>(p.k) + 1) * sd::kResidentSliceBytes;
+  // Asks both instances: the 4-warp one's static arrays are smaller, so its limit is never the lower,
+  // but the query also raises its attribute, which must be set before it launches.
   if (smem > magicube::max_dynamic_smem<wide>() || smem > magicube::max_dynamic_smem<small>()) return false;
   const auto* props = at::cuda::getCurrentDeviceProperties();
   const int64_t slices = (p.row_bytes + sd::kResidentSliceBytes - 1) / sd::kResidentSliceBytes;

@@ -284,14 +284,15 @@ def test_warps_take_several_rows(kernels, a_bits, b_bits, a_signed, v):
     _assert_exact(kernels, p, emask, bh, k, n, v, a_bits, a_signed, b_bits, torch.Generator().manual_seed(v))
 
 
-@pytest.mark.parametrize("v", [2, 8])
+@pytest.mark.parametrize("v, k", [(2, 300), (8, 300), (2, 1600)])
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", [(8, 8, True), (16, 8, False), (8, 4, True), (4, 4, False)],
                          ids=["L8-R8", "L16u-R8", "L8-R4", "L4u-R4"])
-def test_small_resident_ctas(kernels, a_bits, b_bits, a_signed, v):
+def test_small_resident_ctas(kernels, a_bits, b_bits, a_signed, v, k):
     """Rows of 96 bytes (three 32-byte slices) at BH 24: 72 (slice, batch x head) pairs, which a
     grid of one 16-warp resident-B CTA an SM holds once each, so it takes CTAs of 4 warps, several
-    a pair (test_spmm_choice_cuda checks which). An empty row and a full one among 64 vector rows."""
-    bh, rows, k = 24, 64, 300
+    a pair (test_spmm_choice_cuda checks which). An empty row and a full one among 64 vector rows;
+    at K 1600 the slice takes 51 KB of shared memory, past the 48 KB a launch gets unasked."""
+    bh, rows = 24, 64
     n = 96 * 8 // b_bits
     p, emask = problem(bh, rows, k, v, 0.7, seed=v + 24, shuffle=True)
     _assert_exact(kernels, p, emask, bh, k, n, v, a_bits, a_signed, b_bits, torch.Generator().manual_seed(v + 24))
