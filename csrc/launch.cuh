@@ -64,23 +64,33 @@ int max_active_ctas(int threads, int64_t smem) {
 
 // Launches `kernel` so that it may start while the kernel before it on the stream finishes
 // (programmatic dependent launch, sm_90+): the kernel must call `await_inputs()` before it reads
-// or writes any global memory. Elsewhere a plain launch.
+// or writes any global memory. Elsewhere a plain launch. `cluster` CTAs along x form a thread
+// block cluster (sm_90+; 1 for none).
 template <class... KernelArgs, class... Args>
-void launch_overlapped(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                       Args&&... args) {
+void launch_overlapped_clusters(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                unsigned cluster, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute overlap;
-  overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  overlap.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attrs[2];
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = 1;
+  attrs[1].id = cudaLaunchAttributeClusterDimension;
+  attrs[1].val.clusterDim.x = cluster;
+  attrs[1].val.clusterDim.y = 1;
+  attrs[1].val.clusterDim.z = 1;
   if (at::cuda::getCurrentDeviceProperties()->major >= 9) {
-    config.attrs = &overlap;
-    config.numAttrs = 1;
+    config.attrs = attrs;
+    config.numAttrs = cluster > 1 ? 2 : 1;
   }
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+template <class... KernelArgs, class... Args>
+void launch_overlapped(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args&&... args) {
+  launch_overlapped_clusters(kernel, grid, block, smem, stream, 1, std::forward<Args>(args)...);
 }
 
 }  // namespace magicube

@@ -248,6 +248,9 @@ __device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
   else if constexpr (sizeof(T) == 2) asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
   else asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
+__device__ __forceinline__ void st_shared_v2(uint32_t addr, int x, int y) {
+  asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(addr), "r"(x), "r"(y) : "memory");
+}
 __device__ __forceinline__ uint32_t ld_shared_b32(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
@@ -275,6 +278,33 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int x
       "[%5];\n" ::"r"(dst),
       "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar)
       : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Thread block clusters (sm_90). A launch without a cluster is one of a single CTA.
+
+// This CTA's rank in its cluster.
+__device__ __forceinline__ int cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return static_cast<int>(r);
+}
+// Every (non-exited) thread of the cluster: the shared-memory writes before it are seen by the
+// reads after it, in any CTA of the cluster.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// 16 bytes at `addr` in the shared memory of the cluster's CTA `rank` (addr as in its own).
+__device__ __forceinline__ int4 ld_cluster_v4(uint32_t addr, int rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  int4 v;
+  // No memory clobber: the loads of one batch stay in flight together (the cluster barrier before
+  // them, volatile too, keeps them after it).
+  asm volatile("ld.shared::cluster.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(remote));
+  return v;
 }
 
 }  // namespace magicube

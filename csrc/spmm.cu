@@ -288,7 +288,7 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
 }
 
 // Which of our GEMMs multiplies the planes where cuBLAS's does not (pick_gemm).
-enum class Gemm { kMma, kWgmmaLarge, kWgmmaSmall, kWgmmaSmallOneWave, kWgmmaLeast, kWgmmaLeastOneWave };
+enum class Gemm { kMma, kWgmmaLarge, kWgmmaSmall, kWgmmaSmallOneWave, kWgmmaLeast, kWgmmaLeastOneWave, kWgmmaLeastSplit };
 
 // The dense path (spmm_dense.cuh): the GEMM's operands, padded to kAlign rows and columns (cuBLAS's
 // int8 GEMM takes K and N in multiples of 8 and more than 16 rows of A; ours, K in 16-byte chunks),
@@ -315,9 +315,20 @@ struct DenseShape {
 // bytes of operand tiles an SM reads, and larger output tiles read fewer bytes per product but
 // leave SMs idle where there are fewer tiles than SMs. On Hopper (in an sm_90a build), the wgmma
 // GEMM's larger tile where its tiles fill 3/4 of the SMs, else its smaller one where that does,
-// else its least where that does (either with a deeper ring where its tiles fit one wave), else
-// (and on other GPUs) the mma.sync GEMM; `force_wgmma` takes the wgmma GEMM's smaller tile there
-// instead (tests).
+// else its least where that does (either with a deeper ring where its tiles fit one wave), else,
+// for one or two plane products, its least tile with each tile's K split between the two CTAs of
+// a cluster, else (and on other GPUs) the mma.sync GEMM; `force_wgmma` takes the wgmma GEMM's
+// smaller tile there instead (tests).
+//
+// Split, each CTA reads half a tile's operand bytes, and twice the CTAs run; the halves' sums are
+// added through distributed shared memory (spmm_dense.cuh: store_split). Forced on the dense path
+// (H200, BH 1, V 2, sparsity 0.7), the least tile split in two took 0.68-0.73x the time of
+// cuBLAS's GEMM and its pass (8-bit A and B at M = K 1024-2048, N 128-256, where no tile fills the
+// SMs) and 0.73-0.80x the mma.sync GEMM's with two plane products; with four, 0.92-1.05x, so those
+// stay on mma.sync. Where a tile fills the SMs, splitting took 0.94-4.4x the time (any tile, 2 or
+// 4 CTAs a cluster; under 1.0 in two cells only, M = K = 4096, N 128, BH 1): the sums' round trip
+// through shared memory costs about what the halved operand bytes save (kernel_checks.md,
+// sixty-second round).
 template <int AP, int BP>
 Gemm pick_gemm(int64_t m_pad, int64_t n_pad, int64_t bh, bool force_wgmma) {
 #ifdef MAGICUBE_SM90A
@@ -336,6 +347,7 @@ Gemm pick_gemm(int64_t m_pad, int64_t n_pad, int64_t bh, bool force_wgmma) {
     if (small >= fill || (force_wgmma && least < fill))
       return small <= sms ? Gemm::kWgmmaSmallOneWave : Gemm::kWgmmaSmall;
     if (least >= fill) return least <= sms ? Gemm::kWgmmaLeastOneWave : Gemm::kWgmmaLeast;
+    if (AP * BP <= 2) return Gemm::kWgmmaLeastSplit;
   }
 #endif
   return Gemm::kMma;
@@ -375,7 +387,9 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // one-product pairs from 0.75 % more time than the faster way to 0.58 %. The least tile's, 0.97 and
 // 2.06 for one and two products, are those of what ran there before (cuBLAS's 1.45, the mma.sync
 // GEMM's 3.10) scaled by the time its GEMM took against theirs (0.67 and 0.66, geometric means over
-// 18 cells each, H200; forty-fourth round). Over the fit's own cells,
+// 18 cells each, H200; forty-fourth round); split between two CTAs a tile (pick_gemm), where
+// cuBLAS's or the mma.sync GEMM ran before it, it counts as the least tile, having taken 0.68-0.80x
+// their time (sixty-second round). Over the fit's own cells,
 // choosing by the two estimates (the fitted constants) took 0.31-0.35 % more time than the faster
 // way on the geometric mean, at most 31 % in one. The expansion has since run 1.1-1.5x faster
 // (c3870c0), and with 12- and 16-bit A 1.05x again (forty-first round), so the dense estimates run
@@ -407,7 +421,8 @@ double dense_share(const DenseShape& d, const Params& p, int64_t b_bits, int64_t
   double per_gop;
   if (d.cublas()) per_gop = 1.45;
   else if (d.gemm == Gemm::kMma) per_gop = products == 1 ? 1.57 : products == 2 ? 3.10 : 4.60;
-  else if (d.gemm == Gemm::kWgmmaLeast || d.gemm == Gemm::kWgmmaLeastOneWave) per_gop = products == 1 ? 0.97 : 2.06;
+  else if (d.gemm == Gemm::kWgmmaLeast || d.gemm == Gemm::kWgmmaLeastOneWave || d.gemm == Gemm::kWgmmaLeastSplit)
+    per_gop = products == 1 ? 0.97 : 2.06;
   else per_gop = products == 1 ? 0.76 : products == 2 ? 1.7 : d.gemm == Gemm::kWgmmaLarge ? 2.75 : 2.1;
   const double values_m = 1.0 * nnz_pad * p.v * kMega;
   const double dense_us = 10.2 + (d.cublas() ? 2.0 * (bh - 1) : 0.0) +
@@ -464,9 +479,11 @@ void launch_gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, cudaStr
                  T::kSmemBytes, " bytes of shared memory a CTA, more than this GPU has");
   const int64_t m_tiles = (gp.m_pad + T::kM - 1) / T::kM, n_tiles = (gp.n_pad + T::kN - 1) / T::kN;
   MAGICUBE_CHECK(m_tiles <= 65535 && n_tiles <= INT32_MAX, "spmm: M or N too large");
-  // N's tiles of one row of tiles run side by side, so A's rows come from memory once, then from L2.
-  const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(m_tiles), static_cast<unsigned>(bh));
-  magicube::launch_overlapped(Kernel, grid, dim3(T::kThreads), T::kSmemBytes, stream, gp, maps...);
+  // N's tiles of one row of tiles run side by side, so A's rows come from memory once, then from L2;
+  // a cluster of T::kSplit CTAs along x shares the K of one tile.
+  const dim3 grid(static_cast<unsigned>(n_tiles * T::kSplit), static_cast<unsigned>(m_tiles),
+                  static_cast<unsigned>(bh));
+  magicube::launch_overlapped_clusters(Kernel, grid, dim3(T::kThreads), T::kSmemBytes, stream, T::kSplit, gp, maps...);
 }
 
 #ifdef MAGICUBE_SM90A
@@ -526,6 +543,10 @@ void gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, Gemm which, cu
   if (which == Gemm::kWgmmaLeast) return launch_wgmma_gemm<AB, AS, BB, typename Tiles::Least>(gp, bh, stream);
   if (which == Gemm::kWgmmaLeastOneWave)
     return launch_wgmma_gemm<AB, AS, BB, typename Tiles::LeastOneWave>(gp, bh, stream);
+  if constexpr (AP * BP <= 2) {
+    if (which == Gemm::kWgmmaLeastSplit)
+      return launch_wgmma_gemm<AB, AS, BB, typename Tiles::LeastSplit>(gp, bh, stream);
+  }
 #endif
   using T = typename dn::DefaultGemmTile<AP, BP>::type;
   launch_gemm<T, dn::gemm_kernel<AB, AS, BB, T>>(gp, bh, stream);

@@ -1,7 +1,7 @@
 // The dense path of magicube_cuda::spmm: the sparse operand expanded to dense byte planes and
-// multiplied by an int8 GEMM, cuBLAS's for one signed plane each on small problems, else ours, on
-// wgmma on Hopper where its tiles fill the GPU, else on mma.sync (csrc/spmm.cu: run_dense,
-// pick_gemm).
+// multiplied by an int8 GEMM: ours, on wgmma on Hopper (where its tiles do not fill the GPU, with
+// K split between the CTAs of a cluster), else on mma.sync, or, for one signed plane each on small
+// problems off Hopper, cuBLAS's (csrc/spmm.cu: run_dense, pick_gemm).
 //
 // The SR-BCRS kernels gather, for every kept vector, its own row of B from L2: at low V and low
 // sparsity each row of B is read many times over (V 2, sparsity 0.7, M = K = 4096, N 256: 644 MB
@@ -310,6 +310,33 @@ struct Output {
     if (out_int64) *reinterpret_cast<longlong2*>(static_cast<int64_t*>(out) + e) = make_longlong2(x[0], x[1]);
     else *reinterpret_cast<__half2*>(static_cast<__half*>(out) + e) = half_pair(bh, col, x, sa);
   }
+  // Columns col .. col + 3 (col a multiple of 4, below N; those past N are not stored), the fp16
+  // ones with the columns' scales sb: where N is a multiple of 4, one store of all four.
+  __device__ __forceinline__ void store_quad(int bh, int row, int col, const int64_t (&x)[4], float sa,
+                                             const float (&sb)[4]) const {
+    const int64_t e = (static_cast<int64_t>(bh) * m + row) * n + col;
+    if (n % 4 == 0) {
+      if (out_int64) {
+        auto* to = reinterpret_cast<longlong2*>(static_cast<int64_t*>(out) + e);
+        to[0] = make_longlong2(x[0], x[1]);
+        to[1] = make_longlong2(x[2], x[3]);
+      } else {
+        const __half2 lo = __floats2half2_rn(scaled(x[0], sa, sb[0]), scaled(x[1], sa, sb[1]));
+        const __half2 hi = __floats2half2_rn(scaled(x[2], sa, sb[2]), scaled(x[3], sa, sb[3]));
+        uint2 both;
+        both.x = *reinterpret_cast<const uint32_t*>(&lo);
+        both.y = *reinterpret_cast<const uint32_t*>(&hi);
+        *reinterpret_cast<uint2*>(static_cast<__half*>(out) + e) = both;
+      }
+      return;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (col + i >= n) break;
+      if (out_int64) static_cast<int64_t*>(out)[e + i] = x[i];
+      else static_cast<__half*>(out)[e + i] = __float2half_rn(scaled(x[i], sa, sb[i]));
+    }
+  }
   // The fp16 outputs of columns col and col + 1 (both below N).
   __device__ __forceinline__ __half2 half_pair(int bh, int col, const int64_t (&x)[2], float sa) const {
     const float* sb = scale_b + static_cast<int64_t>(bh) * n + col;
@@ -424,7 +451,7 @@ __device__ __forceinline__ void store_recombined(const Output& o, int bh, int ro
 // output tile, so the recombination happens in registers.
 template <int AP_, int BP_, int WM, int WN, int STAGES>
 struct GemmTile {
-  static constexpr int AP = AP_, BP = BP_, kWarpM = WM, kWarpN = WN, kStages = STAGES;
+  static constexpr int AP = AP_, BP = BP_, kWarpM = WM, kWarpN = WN, kStages = STAGES, kSplit = 1;
   static constexpr int kThreads = 128, kM = 2 * WM, kN = 2 * WN;
   static constexpr int kStageBytes = (AP * kM + BP * kN) * kStepBytes;
   static constexpr int kSmemBytes = STAGES * kStageBytes;
@@ -582,10 +609,11 @@ __device__ __forceinline__ void keep_in_place(int (&acc)[A][B][N]) {
 // The GEMM on Hopper: WGS warpgroups, each 64 rows x N columns of every plane product by wgmma
 // from shared memory, over K in 128-byte steps (one swizzle row) through a ring of STAGES stages
 // that a producer warp fills by the tensor memory accelerator (TMA), as far ahead as the ring
-// allows.
-template <int AP_, int BP_, int WGS, int BN, int STAGES>
+// allows; with SPLIT > 1, the K of each tile split between the SPLIT CTAs of a cluster
+// (store_split).
+template <int AP_, int BP_, int WGS, int BN, int STAGES, int SPLIT = 1>
 struct WgmmaTile {
-  static constexpr int AP = AP_, BP = BP_, kN = BN, kStages = STAGES;
+  static constexpr int AP = AP_, BP = BP_, kN = BN, kStages = STAGES, kSplit = SPLIT;
   static constexpr int kMathThreads = 128 * WGS, kThreads = kMathThreads + 32, kM = 64 * WGS;
   static constexpr int kStageBytes = (AP * kM + BP * kN) * kStepBytes;
   // The stages, two barriers each, and the atoms' 1024-byte alignment.
@@ -634,6 +662,81 @@ __device__ __forceinline__ void store_staged(const Output& o, uint32_t smem, int
   }
 }
 
+// K split between the T::kSplit CTAs of a cluster (part: this CTA's rank): each has multiplied its
+// share of K for the whole tile. Each writes its plane products to its freed stages (rows padded by
+// 16 bytes, so that the 8 rows of a warp's 8-byte stores fall two to a bank group), and CTA r adds
+// every part's sums of rows r kM / kSplit onwards (from its own part on, so the CTAs do not all
+// read one CTA at once) through distributed shared memory, recombines and stores them. A thread
+// takes 4 columns of every kRowStep-th row of that share: its scales are loaded before the
+// cluster's parts are awaited, and all its loads of one part are issued before their first sum
+// (a row at a time, each waiting on the last, the reduction took 6.5 us beside the main loop's 8 at
+// M = K = 4096, N 256, 128 x 128 tiles split in two). The sums of a part stay below 2^31, as those
+// of the whole of K do (DenseShape::applies).
+template <int AP, int BP, class T>
+__device__ __forceinline__ void store_split(const Output& o, uint32_t smem, int bh, int m0, int n0,
+                                            const int (&acc)[AP][BP][T::kN / 2], int part) {
+  constexpr int kN = T::kN, kPitch = 4 * kN + 16, kPlaneBytes = T::kM * kPitch, kChunks = kN / 4;
+  constexpr int kParts = T::kSplit, kQ = AP * BP, kRowStep = T::kMathThreads / kChunks;
+  constexpr int kShare = T::kM / kParts, kRows = kShare / kRowStep;  // rows a CTA adds, and a thread
+  static_assert(kQ * kPlaneBytes <= T::kStages * T::kStageBytes && kShare % kRowStep == 0);
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  named_barrier_sync(1, T::kMathThreads);  // every warpgroup's wgmmas are done with the stages
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = 64 * wg + 16 * warp + (lane >> 2) + 8 * h;
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j)
+#pragma unroll
+      for (int q = 0; q < kQ; ++q)
+        st_shared_v2(smem + q * kPlaneBytes + r * kPitch + 4 * (8 * j + 2 * (lane & 3)),
+                     acc[q / BP][q % BP][4 * j + 2 * h], acc[q / BP][q % BP][4 * j + 2 * h + 1]);
+  }
+
+  const int c = 4 * (threadIdx.x % kChunks), col = n0 + c;
+  const int r0 = part * kShare + threadIdx.x / kChunks;  // this thread's first row in the tile
+  auto mine = [&](int s) { return m0 + r0 + s * kRowStep < o.m; };
+  float sa[kRows], sb[4];
+#pragma unroll
+  for (int s = 0; s < kRows; ++s) sa[s] = mine(s) ? o.row_scale(bh, m0 + r0 + s * kRowStep) : 0.f;
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    sb[e] = !o.out_int64 && col + e < o.n ? o.scale_b[static_cast<int64_t>(bh) * o.n + col + e] : 0.f;
+  cluster_sync();  // every part's sums are in place
+
+  int sum[kRows][kQ][4] = {};
+#pragma unroll
+  for (int k = 0; k < kParts; ++k) {
+    const int from = (part + k) % kParts;
+    int4 v[kRows][kQ];
+#pragma unroll
+    for (int s = 0; s < kRows; ++s)
+#pragma unroll
+      for (int q = 0; q < kQ; ++q)
+        if (mine(s)) v[s][q] = ld_cluster_v4(smem + q * kPlaneBytes + (r0 + s * kRowStep) * kPitch + 4 * c, from);
+#pragma unroll
+    for (int s = 0; s < kRows; ++s)
+#pragma unroll
+      for (int q = 0; q < kQ; ++q)
+        if (mine(s)) sum[s][q][0] += v[s][q].x, sum[s][q][1] += v[s][q].y, sum[s][q][2] += v[s][q].z,
+                     sum[s][q][3] += v[s][q].w;
+  }
+  if (col < o.n) {
+#pragma unroll
+    for (int s = 0; s < kRows; ++s) {
+      if (!mine(s)) continue;
+      int64_t x[4];
+#pragma unroll
+      for (int e2 = 0; e2 < 2; ++e2) {
+        int64_t pair[2];
+        recombine_pair<AP, BP>([&](int qa, int qb, int e) { return sum[s][qa * BP + qb][2 * e2 + e]; }, pair);
+        x[2 * e2] = pair[0], x[2 * e2 + 1] = pair[1];
+      }
+      o.store_quad(bh, m0 + r0 + s * kRowStep, col, x, sa[s], sb);
+    }
+  }
+  cluster_sync();  // no CTA exits while another reads its shared memory
+}
+
 // `a_map`, `b_map`: the TMA's views of A's and B's planes, [BH x planes][rows][k_pad] bytes in
 // boxes of 128 bytes of K x kM (A) or kN (B) rows, zeros past the padded rows and K, stored with
 // the 128-byte swizzle (csrc/spmm.cu: plane_map).
@@ -648,8 +751,11 @@ __global__ void __launch_bounds__(T::kThreads)
   const uint32_t smem = (smem_addr(smem16) + 1023) & ~1023u;
   // Slot s is full once its tile has landed, and empty once every warpgroup has multiplied it.
   const uint32_t full = smem + kS * T::kStageBytes, empty = full + 8 * kS;
-  const int bh = blockIdx.z, m0 = blockIdx.y * T::kM, n0 = blockIdx.x * kN;
-  const int k_tiles = (p.k_pad + kStepBytes - 1) / kStepBytes;
+  // Split, the CTAs of a cluster (along x) share the K steps of one tile (store_split).
+  const int part = T::kSplit > 1 ? cluster_rank() : 0;
+  const int bh = blockIdx.z, m0 = blockIdx.y * T::kM, n0 = blockIdx.x / T::kSplit * kN;
+  const int k_steps = (p.k_pad + kStepBytes - 1) / kStepBytes;
+  const int k_first = part * k_steps / T::kSplit, k_tiles = (part + 1) * k_steps / T::kSplit - k_first;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kS; ++s) {
       mbarrier_init(full + 8 * s, 1);
@@ -668,13 +774,14 @@ __global__ void __launch_bounds__(T::kThreads)
         const int s = u % kS;
         if (u >= kS) mbarrier_wait(empty + 8 * s, (u / kS - 1) & 1);
         const uint32_t stage = smem + s * T::kStageBytes, bar = full + 8 * s;
+        const int k0 = (k_first + u) * kStepBytes;
         mbarrier_expect_tx(bar, T::kStageBytes);
 #pragma unroll
         for (int qa = 0; qa < AP; ++qa)
-          tma_load_3d(stage + qa * T::kM * kStepBytes, &a_map, u * kStepBytes, m0, bh * AP + qa, bar);
+          tma_load_3d(stage + qa * T::kM * kStepBytes, &a_map, k0, m0, bh * AP + qa, bar);
 #pragma unroll
         for (int qb = 0; qb < BP; ++qb)
-          tma_load_3d(stage + (AP * T::kM + qb * kN) * kStepBytes, &b_map, u * kStepBytes, n0, bh * BP + qb, bar);
+          tma_load_3d(stage + (AP * T::kM + qb * kN) * kStepBytes, &b_map, k0, n0, bh * BP + qb, bar);
       }
     }
     return;
@@ -708,18 +815,22 @@ __global__ void __launch_bounds__(T::kThreads)
 
   // Each warpgroup's accumulators in wgmma_k32's layout: warp w of it holds rows 16 w + lane / 4
   // and 8 below, columns 2 (lane % 4) and the next of each 8-column block.
-  if constexpr (T::kMathThreads == 256) {
-    if (!p.o.out_int64 && p.o.n % 8 == 0) return store_staged<AP, BP, T>(p.o, smem, bh, m0, n0, acc);
-  }
+  if constexpr (T::kSplit > 1) {
+    store_split<AP, BP, T>(p.o, smem, bh, m0, n0, acc, part);
+  } else {
+    if constexpr (T::kMathThreads == 256) {
+      if (!p.o.out_int64 && p.o.n % 8 == 0) return store_staged<AP, BP, T>(p.o, smem, bh, m0, n0, acc);
+    }
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = m0 + 64 * wg + 16 * warp + (lane >> 2) + 8 * h;
-    if (row >= p.o.m) continue;
-    const float sa = p.o.row_scale(bh, row);
+    for (int h = 0; h < 2; ++h) {
+      const int row = m0 + 64 * wg + 16 * warp + (lane >> 2) + 8 * h;
+      if (row >= p.o.m) continue;
+      const float sa = p.o.row_scale(bh, row);
 #pragma unroll
-    for (int j = 0; j < kN / 8; ++j)
-      store_recombined<AP, BP>(p.o, bh, row, n0 + 8 * j + 2 * (lane & 3), sa,
-                               [&](int qa, int qb, int e) { return acc[qa][qb][4 * j + 2 * h + e]; });
+      for (int j = 0; j < kN / 8; ++j)
+        store_recombined<AP, BP>(p.o, bh, row, n0 + 8 * j + 2 * (lane & 3), sa,
+                                 [&](int qa, int qb, int e) { return acc[qa][qb][4 * j + 2 * h + e]; });
+    }
   }
 #else
   __trap();  // built without sm_90a: the host launches this kernel only where the build has it
@@ -735,7 +846,9 @@ __global__ void __launch_bounds__(T::kThreads)
 // products take a third, least tile, one warpgroup's 64 x 64, which makes twice the smaller tile's
 // CTAs: there it took 0.60-0.77x the GEMM time of what ran before it (cuBLAS's GEMM and its pass,
 // or our mma.sync GEMM; H200, M = K 1024-4096, N 128-512, 1-3 batch x heads), with 8 stages where
-// its CTAs fit one wave (4 or 6 stages took up to 1.21x the time; past one wave, equal).
+// its CTAs fit one wave (4 or 6 stages took up to 1.21x the time; past one wave, equal). Where
+// that does not fill them either, the least tile with K split between two CTAs (csrc/spmm.cu:
+// pick_gemm).
 template <int AP, int BP>
 struct WgmmaTiles;
 template <>
@@ -748,6 +861,7 @@ struct WgmmaTiles<1, 1> {
   using SmallOneWave = WgmmaTile<1, 1, 2, 64, 8>;
   using Least = WgmmaTile<1, 1, 1, 64, 4>;
   using LeastOneWave = WgmmaTile<1, 1, 1, 64, 8>;
+  using LeastSplit = WgmmaTile<1, 1, 1, 64, 4, 2>;
 };
 template <>
 struct WgmmaTiles<2, 1> {
@@ -756,6 +870,7 @@ struct WgmmaTiles<2, 1> {
   using SmallOneWave = Small;
   using Least = WgmmaTile<2, 1, 1, 64, 4>;
   using LeastOneWave = WgmmaTile<2, 1, 1, 64, 8>;
+  using LeastSplit = WgmmaTile<2, 1, 1, 64, 4, 2>;
 };
 template <>
 struct WgmmaTiles<2, 2> {

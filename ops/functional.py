@@ -58,8 +58,8 @@ def spmm(pattern: SRBCRS, a_values: torch.Tensor, b: torch.Tensor, *, a_bits: in
     three ways that give the same bits: the gather kernel, the resident-B kernel (narrow B, many
     gathers) or, where the mask is dense enough that B would be gathered many times over (low V and
     sparsity), A and B expanded to byte planes for a dense int8 GEMM (cuBLAS's for one signed plane
-    each on small problems, else the project's own, on wgmma on Hopper); the op picks by estimated
-    time, and the environment variable
+    each on small problems off Hopper, else the project's own, on wgmma on Hopper); the op picks by
+    estimated time, and the environment variable
     MAGICUBE_SPMM_KERNEL=gather|stacked|merged|resident|dense|dense_wgmma forces one where it
     applies (stacked: the gather kernel with 16-bit A's two byte planes in one MMA, at V 2, and at
     V 4 unsigned 16-bit A's planes and 12-bit A's two digits; merged: the gather kernel on V 2 rows

@@ -49,13 +49,14 @@ def main() -> int:
     # Every way: the gather kernel with 16-bit A's planes stacked (V 2, 16-byte rows; unsigned and
     # 12-bit A's at V 4) and on V 2 rows merged four at a time (below), the resident-B kernel (8-
     # and 4-bit B on 16-byte rows) and the dense path (integer operands) run on problems this small
-    # only when asked for; on Hopper also the dense path with its wgmma GEMM, whose smaller tile
-    # runs here when forced (within one wave, its deeper ring), its larger one on the first batched
-    # problem at the end (12 x 3 x 3 tiles) and, with one plane product, its smaller tile past one
-    # wave on the second (40 x 2 x 2 tiles), each also at an N of whole 16-byte fp16 chunks (the
-    # two-warpgroup tiles' staged stores); the fifth's expansion takes groups of 8 vector rows a
-    # CTA, the last of 5 rows; with one or two plane products the last two take the least tile
-    # (64 x 64) within one wave of 132 SMs and past it.
+    # only when asked for (on Hopper with one or two plane products the wgmma GEMM's least tile, K
+    # split between two CTAs of a cluster); on Hopper also the dense path with its wgmma GEMM, whose
+    # smaller tile runs here when forced (within one wave, its deeper ring), its larger one on the
+    # first batched problem at the end (12 x 3 x 3 tiles) and, with one plane product, its smaller
+    # tile past one wave on the second (40 x 2 x 2 tiles), each also at an N of whole 16-byte fp16
+    # chunks (the two-warpgroup tiles' staged stores); the fifth's expansion takes groups of 8
+    # vector rows a CTA, the last of 5 rows; with one or two plane products the last two take the
+    # least tile (64 x 64) within one wave of 132 SMs and past it.
     kernels = ["gather", "stacked", "resident", "dense"]
     if torch.cuda.get_device_capability()[0] == 9:
         kernels.append("dense_wgmma")

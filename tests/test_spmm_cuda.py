@@ -42,11 +42,13 @@ def spmm_kernel(request, monkeypatch):
     digits) stacked into one, which the automatic choice takes on larger problems than these, and
     on V 2 rows merged four at a time into V 8 rows, which it takes at high sparsity, the
     resident-B kernel (8- or 4-bit B), which it takes on narrow B, and the dense path, which it
-    takes at low V and sparsity, with its GEMM chosen by size (on problems this small the mma.sync
-    one) and, on Hopper, with the wgmma GEMM forced. Where the one forced does not apply (stacking
-    at V 8, signed 16-bit A's at V 4, or on 8-bit B's narrow tile, merging at V 4 and 8 or where M
-    is not a multiple of 8 or on dense rows not on 16 bytes, the resident kernel on such rows or
-    B's slice past shared memory, the dense path past its K) the gather kernel runs."""
+    takes at low V and sparsity, with its GEMM chosen by size (on problems this small, on Hopper,
+    with one or two plane products, the wgmma GEMM's least tile with K split between two CTAs, here
+    and there with one of them past K; else the mma.sync one) and, on Hopper, with the wgmma GEMM
+    forced. Where the one forced does not apply (stacking at V 8, signed 16-bit A's at V 4, or on
+    8-bit B's narrow tile, merging at V 4 and 8 or where M is not a multiple of 8 or on dense rows
+    not on 16 bytes, the resident kernel on such rows or B's slice past shared memory, the dense
+    path past its K) the gather kernel runs."""
     callspec = getattr(request.node, "callspec", None)
     b_bits = callspec.params.get("b_bits") if callspec else None
     a_bits = callspec.params.get("a_bits") if callspec else None
