@@ -11,6 +11,8 @@
 #include <mutex>
 #include <tuple>
 
+#include "check.cuh"
+
 namespace magicube {
 
 // A fresh allocation is 256-byte aligned; a view with an odd storage offset is copied once so the
@@ -81,7 +83,9 @@ void launch_overlapped_clusters(void (*kernel)(KernelArgs...), dim3 grid, dim3 b
   attrs[1].val.clusterDim.x = cluster;
   attrs[1].val.clusterDim.y = 1;
   attrs[1].val.clusterDim.z = 1;
-  if (at::cuda::getCurrentDeviceProperties()->major >= 9) {
+  const bool hopper = at::cuda::getCurrentDeviceProperties()->major >= 9;
+  MAGICUBE_CHECK(hopper || cluster == 1, "thread block clusters need sm_90 or newer");
+  if (hopper) {
     config.attrs = attrs;
     config.numAttrs = cluster > 1 ? 2 : 1;
   }

@@ -664,14 +664,14 @@ __device__ __forceinline__ void store_staged(const Output& o, uint32_t smem, int
 
 // K split between the T::kSplit CTAs of a cluster (part: this CTA's rank): each has multiplied its
 // share of K for the whole tile. Each writes its plane products to its freed stages (rows padded by
-// 16 bytes, so that the 8 rows of a warp's 8-byte stores fall two to a bank group), and CTA r adds
-// every part's sums of rows r kM / kSplit onwards (from its own part on, so the CTAs do not all
-// read one CTA at once) through distributed shared memory, recombines and stores them. A thread
+// 16 bytes: a warp's 8-byte stores, 8 rows x 4 columns, then take 2-3 wavefronts, not 8), and CTA r
+// adds every part's sums of rows r kM / kSplit onwards (from its own part on, so the CTAs do not
+// all read one CTA at once) through distributed shared memory, recombines and stores them. A thread
 // takes 4 columns of every kRowStep-th row of that share: its scales are loaded before the
-// cluster's parts are awaited, and all its loads of one part are issued before their first sum
-// (a row at a time, each waiting on the last, the reduction took 6.5 us beside the main loop's 8 at
-// M = K = 4096, N 256, 128 x 128 tiles split in two). The sums of a part stay below 2^31, as those
-// of the whole of K do (DenseShape::applies).
+// cluster's parts are awaited, and all its loads of one part are issued before their first sum (a
+// row at a time, each waiting on the last, the reduction took 6.5 us beside the main loop's 8 at M
+// = K = 4096, N 256, 128 x 128 tiles split in two). The sums of a part stay below 2^31, as those of
+// the whole of K do (DenseShape::applies).
 template <int AP, int BP, class T>
 __device__ __forceinline__ void store_split(const Output& o, uint32_t smem, int bh, int m0, int n0,
                                             const int (&acc)[AP][BP][T::kN / 2], int part) {
