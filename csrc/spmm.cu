@@ -73,8 +73,15 @@ void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t strea
   MAGICUBE_CHECK(tiles <= 65535 && vrows <= INT32_MAX, "spmm: N or M too large");
   const dim3 grid(static_cast<unsigned>(MERGE ? vrows / 4 : vrows), static_cast<unsigned>(tiles),
                   static_cast<unsigned>(bh));
-  magicube::launch_overlapped(magicube::spmm_detail::spmm_kernel<AB, AS, BB, FAST, TB, STACK, MERGE>, grid,
-                              dim3(kThreads), static_cast<size_t>(smem), stream, p);
+  constexpr auto kernel = magicube::spmm_detail::spmm_kernel<AB, AS, BB, FAST, TB, STACK, MERGE>;
+  // Where one wave holds every CTA, the rows' order (longest first, for the tail of a longer grid)
+  // buys nothing, and reading it put a round trip to L2 before each CTA's first read of the
+  // pattern: there CTA i takes vector row i (row_order null).
+  Params q = p;
+  const int64_t wave = at::cuda::getCurrentDeviceProperties()->multiProcessorCount *
+                       int64_t{magicube::max_active_ctas<kernel>(kThreads, smem)};
+  if (!MERGE && static_cast<int64_t>(grid.x) * tiles * bh <= wave) q.row_order = nullptr;
+  magicube::launch_overlapped(kernel, grid, dim3(kThreads), static_cast<size_t>(smem), stream, q);
 }
 
 // The most blocks of V 2 rows merged four at a time (launch_merged) that one window holds (1024

@@ -73,7 +73,7 @@ constexpr int kFlushBlocks = 512;
 struct Params {
   const int* row_ptr;
   const int* col_idx;
-  const int* row_order;
+  const int* row_order;  // or null in the gather kernel: vector row i in CTA i (launch_tiles)
   const uint8_t* a;     // sparse values, [BH, nnz_pad * V] containers (bytes)
   const uint8_t* b;     // dense, [BH, K, row_bytes]
   const float* scale_a; // [BH, M] or null
@@ -755,7 +755,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   await_inputs();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int vrow = MERGE ? blockIdx.x : p.row_order[blockIdx.x];
+  const int vrow = MERGE || !p.row_order ? blockIdx.x : p.row_order[blockIdx.x];
   const int bh = blockIdx.z;
   const int v = MERGE ? 8 : p.v;
   const int start = MERGE ? 0 : p.row_ptr[2 * vrow];

@@ -286,6 +286,20 @@ def test_warps_take_several_rows(kernels, a_bits, b_bits, a_signed, v):
     _assert_exact(kernels, p, emask, bh, k, n, v, a_bits, a_signed, b_bits, torch.Generator().manual_seed(v))
 
 
+@pytest.mark.parametrize("a_bits, b_bits, a_signed", [(8, 8, True), (16, 16, False), (8, 4, True)],
+                         ids=["L8-R8", "L16u-R16", "L8-R4"])
+def test_rows_past_one_wave(kernels, a_bits, b_bits, a_signed):
+    """The gather kernel takes vector row i in CTA i where one wave of CTAs holds its grid, and
+    walks row_order past that: both exact, at BH 1 (200 vector rows, one wave) and at BH 64 (12800
+    CTAs, past any GPU's wave), in the pattern's order and in a shuffled and a reversed one."""
+    v, rows, k, n = 2, 200, 500, 40
+    g = torch.Generator().manual_seed(a_bits + b_bits)
+    p, emask = problem(1, rows, k, v, 0.8, seed=5, shuffle=True)
+    for bh in (1, 64):
+        for name, other in {"length": p, **reordered(p, g)}.items():
+            _assert_exact(kernels, other, emask, bh, k, n, v, a_bits, a_signed, b_bits, g, f"BH {bh}, {name} order: ")
+
+
 @pytest.mark.parametrize("v, k", [(2, 300), (8, 300), (2, 1600)])
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", [(8, 8, True), (16, 8, False), (8, 4, True), (4, 4, False)],
                          ids=["L8-R8", "L16u-R8", "L8-R4", "L4u-R4"])
