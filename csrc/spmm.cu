@@ -78,9 +78,11 @@ void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t strea
   // buys nothing, and reading it put a round trip to L2 before each CTA's first read of the
   // pattern: there CTA i takes vector row i (row_order null).
   Params q = p;
-  const int64_t wave = at::cuda::getCurrentDeviceProperties()->multiProcessorCount *
-                       int64_t{magicube::max_active_ctas<kernel>(kThreads, smem)};
-  if (!MERGE && static_cast<int64_t>(grid.x) * tiles * bh <= wave) q.row_order = nullptr;
+  if constexpr (!MERGE) {
+    const int64_t wave = at::cuda::getCurrentDeviceProperties()->multiProcessorCount *
+                         int64_t{magicube::max_active_ctas<kernel>(kThreads, smem)};
+    if (static_cast<int64_t>(grid.x) * tiles * bh <= wave) q.row_order = nullptr;
+  }
   magicube::launch_overlapped(kernel, grid, dim3(kThreads), static_cast<size_t>(smem), stream, q);
 }
 
@@ -284,7 +286,14 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
                              : rb <= tile     ? 96 << 10
                                               : 48 << 10) /
                             batched;
-  const bool pays = narrow && gathers >= pays_from;
+  // 8-bit B's rows of a whole narrow tile (N 128) at BH 1 leave the resident kernel: in the whole
+  // sweep at 589c3cb (M = K 512-4096, V 2-8, sparsity 0.5-0.98) it took 1.04-1.33x the gather
+  // kernel's time from 96 KB to 300 KB, and past that the dense path ran ahead of both; in an A/B
+  // over 90 such cells (L8-R8, L16-R8, M = K 1024-4096, sparsity 0.7-0.98) the gather kernel took
+  // 0.75-1.005x the time (0.982x on the geometric mean). Rows of 96 and 112 bytes keep the count:
+  // there the same rule took up to 1.34x (kernel_checks.md, sixty-third round).
+  const bool gather_wins = BB == 8 && bh == 1 && rb == tile;
+  const bool pays = narrow && !gather_wins && gathers >= pays_from;
   if (choice == Choice::kAuto && !pays) return false;
   MAGICUBE_CHECK(slices <= 65535, "spmm: N too large");
   const dim3 grid(static_cast<unsigned>(split ? small_groups : wide_groups), static_cast<unsigned>(slices),

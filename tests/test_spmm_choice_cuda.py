@@ -101,6 +101,9 @@ AUTO_CASES = {
     # The same rows where the dense estimate is under 0.6 of the gather estimate (0.38 on Hopper,
     # 0.49 elsewhere): the dense path comes first.
     "dense-by-far-before-resident": (8, 8, 2, 0.5, 4096, 64, "dense"),
+    # 8-bit B's rows of a whole narrow tile at BH 1 take the gather kernel, whatever the count (here
+    # 101 KB against 96; forced on an H200, the resident kernel took 13.0 us, the gather kernel 10.0).
+    "whole-tile-8-bit-b-gather": (8, 8, 4, 0.9, 4096, 128, "gather"),
     # Few gathers of narrow rows: neither the resident kernel (0.5 KB against 12) nor the dense path.
     "narrow-few-gathers-gather": (8, 8, 8, 0.98, 2048, 32, "gather"),
 }
