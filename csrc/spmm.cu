@@ -103,8 +103,14 @@ constexpr int64_t kMergeBlocks = 32;
 // than 5 %, the other 109 0.95-1.01x; at BH 1, 0.83-0.97x (M = K = 4096, sparsity 0.98; fifty-sixth
 // round). 4-bit B merges for fp16 output only: there it took 0.76-0.92x the time where the rule
 // takes it (BH 1, M = K = 4096, N 256, sparsity 0.98; BH 4, M = K = 1024, sparsity 0.95 and 0.98:
-// 0.61-0.84x), and with int64 output, four times the bytes, 1.02-1.24x (fifty-third round). It
-// runs before the resident-B kernel (launch_integer). Returns whether it ran.
+// 0.61-0.84x), and with int64 output, four times the bytes, 1.02-1.24x (fifty-third round). Rows of
+// A of at most two blocks pay from 7/4 merged CTAs an SM, except on 8- and 16-bit B's narrow tile:
+// with every way forced on the sweep's grid and on cells off it (H200, the seven pairs at V 2, M = K
+// 768-4096, N 96-512, sparsity 0.7-0.985), the 53 such cells between 7/4 and 3 an SM (256-384
+// merged CTAs) took 0.69-1.14x the time of the choice before, 0.885x on the geometric mean, while
+// at 192 CTAs merging took 0.89-1.56x (1.11x), and on 8-bit B's narrow tile 0.98-1.29x
+// (kernel_checks.md, sixty-fourth round). It runs before the resident-B kernel (launch_integer).
+// Returns whether it ran.
 template <int AB, bool AS, int BB, int TB>
 bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice) {
   if constexpr (AB == 0) {
@@ -117,8 +123,9 @@ bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, 
     if (smem > magicube::max_dynamic_smem<kernel>()) return false;
     const int64_t ctas = vrows / 4 * ((p.row_bytes + TB - 1) / TB) * bh;
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const bool short_rows = nnz_pad <= 2 * kSlots * vrows && (BB == 4 || TB == sd::kWideTileBytes);
     const bool pays = (BB != 4 || !p.out_int64) && p.row_bytes >= sd::kNarrowTileBytes &&
-                      nnz_pad <= 4 * kSlots * vrows && ctas >= 3 * sms;
+                      ((nnz_pad <= 4 * kSlots * vrows && ctas >= 3 * sms) || (short_rows && 4 * ctas >= 7 * sms));
     if (choice == Choice::kAuto && !pays) return false;
     launch_tiles<AB, AS, BB, true, TB, 0, true>(p, vrows, bh, stream, smem);
     return true;

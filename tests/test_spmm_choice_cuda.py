@@ -24,6 +24,9 @@ wgmma_estimate = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.
 # the cases that rely on it hold on GPUs of 108-143 SMs (the H100 PCIe has 114, SXM and H200 132).
 sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 0
 four_warp_grid = pytest.mark.skipif(not 108 <= sms < 144, reason="the case's resident grid holds for 108-143 SMs")
+# Rows of A of at most two blocks merge from 7/4 merged CTAs an SM (launch_merged): 256 of them on
+# GPUs of up to 146 SMs.
+short_rows_grid = pytest.mark.skipif(not 0 < sms <= 146, reason="the case's 256 merged CTAs pay on up to 146 SMs")
 
 # A way, by a kernel that only it launches (the dense path's GEMM is cuBLAS's or one of ours).
 WAY_KERNELS = {"gather": "spmm_kernel<", "resident": "spmm_resident_kernel<", "dense": "expand_kernel<"}
@@ -274,7 +277,9 @@ def test_resident_cta_warps(kernels, monkeypatch, a_bits, b_bits, v, bh, warps):
 # gather kernel merges V 2 rows four at a time): by default on rows of B of 128 bytes or more (4-bit
 # B: fp16 output only), rows of A of at most four blocks on the mean and three merged CTAs an SM or
 # more (512 here, on GPUs of up to 170 SMs), not on rows of seven blocks (M = K = 4096, sparsity
-# 0.95) nor on a grid of 256 CTAs; `merged` merges wherever M is a multiple of 8, `gather` never.
+# 0.95) nor on a grid of 256 CTAs; rows of at most two blocks from 7/4 CTAs an SM (256 here: GPUs
+# of up to 146 SMs), but not on 128 CTAs (GPUs of 74 SMs or more) nor on 8-bit B's narrow tile;
+# `merged` merges wherever M is a multiple of 8, `gather` never.
 MERGE_CASES = {
     "L8-R8": (8, 8, 2, 0.98, 4096, 256, "auto", True),
     "L16-R4-fp16": (16, 4, 2, 0.98, 4096, 256, True, torch.float16, "auto", True),
@@ -287,6 +292,9 @@ MERGE_CASES = {
     "L8-R4-fp16-before-resident": (8, 4, 2, 0.98, 2048, 512, True, torch.float16, "auto", True),
     "L8-R8-before-resident": (8, 8, 2, 0.975, 4096, 128, "auto", True),
     "L16-R8-few-ctas": (16, 8, 2, 0.95, 2048, 256, "auto", False),
+    "L16-R8-short-rows": pytest.param((16, 8, 2, 0.98, 2048, 256, "auto", True), marks=short_rows_grid),
+    "L16-R8-short-rows-128-ctas": (16, 8, 2, 0.98, 1024, 256, "auto", False),
+    "L8-R8-short-rows-narrow-tile": (8, 8, 2, 0.98, 2048, 128, "auto", False),
     "L8-R8-merged": (8, 8, 2, 0.9, 1024, 64, "merged", True),
     "L8-R8-merged-m-not-multiple-of-8": (8, 8, 2, 0.9, 1004, 64, "merged", False),
     "L8-R8-gather": (8, 8, 2, 0.98, 4096, 256, "gather", False),
