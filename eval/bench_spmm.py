@@ -1,6 +1,6 @@
 """SpMM kernel benchmark: every precision of the SR-BCRS kernels against dense and sparse baselines.
 
-    python -m magicube.eval.bench_spmm [--quick] [--kernel auto|tuned] [--ways] [--out DIR]
+    python -m magicube.eval.bench_spmm [--quick | --off-grid] [--kernel auto|tuned] [--ways] [--out DIR]
 
 Sweeps sparsity, vector length V, N and M = K; times each kernel (fp16 output, dequantization
 fused) with CUDA events after warm-up (back-to-back calls replayed from a CUDA graph, L2 warm)
@@ -17,9 +17,10 @@ against cuBLAS fp16 bmm. The integer SpMM picks its way by its rules' estimates,
 tuned` by timing the ways at each problem's first call (MAGICUBE_SPMM_KERNEL=tuned). With `--ways`
 every integer cell also times each way forced (`ways_of`) and checks that their outputs agree bit
 for bit: the summary then says, per pair, how much more time the choice took than the fastest way
-(the check of the rules' estimates on the GPU at hand). Writes
-spmm[_quick][_tuned][_ways]_<device>.json and a plot of speedup over cuBLAS against sparsity (one
-panel per V).
+(the check of the rules' estimates on the GPU at hand). `--off-grid` times the cells beside the
+sweep's grid instead (OFF_GRID), where the rules were not fitted. Writes
+spmm[_quick|_offgrid][_tuned][_ways]_<device>.json and a plot of speedup over cuBLAS against
+sparsity (one panel per V).
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ from magicube.ops import SRBCRS, extension, random_vector_mask, to_container
 PAIRS = [(8, 8), (4, 4), (16, 8), (16, 16), (8, 4), (16, 4), (12, 4)]
 FULL = dict(sparsity=[0.5, 0.7, 0.8, 0.9, 0.95, 0.98], v=[2, 4, 8], n=[128, 256, 512], mk=[512, 1024, 2048, 4096])
 QUICK = dict(sparsity=[0.7, 0.9, 0.98], v=[2, 8], n=[128, 256], mk=[1024, 4096])
+# Cells beside FULL's grid (M = K and sparsity between its values, N 96-384, V 2 and 4): the rules'
+# thresholds were fitted on FULL's cells, and on these, timed with every way forced, the choice took
+# 1.4-7.6 % more time than the fastest way per pair, against 0.2-1.1 % on FULL's (H200, cd83177;
+# `kernel_checks.md`, sixty-fourth round).
+OFF_GRID = dict(sparsity=[0.93, 0.96, 0.985], v=[2, 4], n=[96, 128, 192, 256, 384], mk=[768, 1536, 3072])
 INNER = 20
 TARGET = dict(pair="L8-R8", v=8, sparsity=0.9, mk=4096, n=256)
 # The attention pipeline's P x V (B 8 x H 4, L 4096, head dim 64), where B is narrow and the
@@ -315,22 +321,27 @@ def main(argv=None) -> int:
                         help="the integer SpMM's way: by its rules (auto) or timed at a problem's first call (tuned)")
         ap.add_argument("--ways", action="store_true",
                         help="also time each way forced in every integer cell: the choice against the fastest way")
+        ap.add_argument("--off-grid", action="store_true",
+                        help="time the cells beside the sweep's grid instead (OFF_GRID), where no rule was fitted")
 
     args = kernel_bench_args("bench_spmm", __doc__, argv, quick="a small subset (the target shape included)",
                              reps=15, reps_help="timed replays of %d back-to-back calls" % INNER, extra=kernel_arg)
     if args is None:
         return 2
+    if args.quick and args.off_grid:
+        print("bench_spmm: --quick and --off-grid each name the cells to time; give one of them", file=sys.stderr)
+        return 2
     extension.load("spmm")
     env = environment()
-    cfg = QUICK if args.quick else FULL
+    cfg = QUICK if args.quick else OFF_GRID if args.off_grid else FULL
     print(f"bench_spmm on {env.get('device')}, torch {env['torch']}, CUDA {env['cuda']}", flush=True)
     out = Path(args.out)
-    name = "_".join(["spmm"] + ["quick"] * args.quick + ["tuned"] * (args.kernel == "tuned") + ["ways"] * args.ways
-                    + [device_slug(env)])
+    name = "_".join(["spmm"] + ["quick"] * args.quick + ["offgrid"] * args.off_grid
+                    + ["tuned"] * (args.kernel == "tuned") + ["ways"] * args.ways + [device_slug(env)])
 
     def save(records, complete=False):
-        save_json(out / f"{name}.json", dict(environment=env, config=cfg, quick=args.quick, kernel=args.kernel,
-                                             ways=args.ways, complete=complete,
+        save_json(out / f"{name}.json", dict(environment=env, config=cfg, quick=args.quick, off_grid=args.off_grid,
+                                             kernel=args.kernel, ways=args.ways, complete=complete,
                                              timing=f"median of {args.reps} CUDA-graph replays of {INNER} calls",
                                              summary=summarize(records), records=records))
 

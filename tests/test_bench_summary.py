@@ -1,5 +1,7 @@
 """The kernel benchmarks' command line, file names and target summaries, on synthetic records (no GPU)."""
 
+import json
+
 import pytest
 import torch
 
@@ -29,6 +31,34 @@ def test_kernel_benchmarks_reject_unknown_options(capsys):
         bench_spmm.main(["--kernel", "fastest"])
     assert exit_.value.code == 2
     assert "--kernel: invalid choice: 'fastest'" in capsys.readouterr().err
+
+
+def test_spmm_off_grid_lies_beside_the_sweeps_grid(monkeypatch, capsys):
+    full, off = bench_spmm.FULL, bench_spmm.OFF_GRID
+    assert not set(off["mk"]) & set(full["mk"]) and not set(off["sparsity"]) & set(full["sparsity"])
+    # Both grids named: refused before anything is built or timed.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert bench_spmm.main(["--quick", "--off-grid"]) == 2
+    assert "--quick and --off-grid each name the cells to time" in capsys.readouterr().err
+
+
+def test_spmm_off_grid_times_its_cells_under_its_own_name(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_spmm.extension, "load", lambda name: None)
+    monkeypatch.setattr(bench_spmm, "environment", lambda: dict(device="NVIDIA H200", torch="2.11", cuda="13.0"))
+    timed = {}
+
+    def run(cfg, reps, log, checkpoint, ways):
+        timed.update(cfg=cfg, ways=ways)
+        return []
+
+    monkeypatch.setattr(bench_spmm, "run", run)
+    monkeypatch.setattr(bench_spmm, "run_pv", lambda reps, log: [])
+    monkeypatch.setattr(bench_spmm, "plot", lambda records, path, title: None)
+    assert bench_spmm.main(["--off-grid", "--ways", "--out", str(tmp_path)]) == 0
+    assert timed == dict(cfg=bench_spmm.OFF_GRID, ways=True)
+    saved = json.loads((tmp_path / "spmm_offgrid_ways_nvidia_h200.json").read_text())
+    assert saved["off_grid"] and saved["config"] == bench_spmm.OFF_GRID and saved["complete"]
 
 
 def test_device_slug_names_the_device():
