@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -62,6 +63,13 @@ int max_active_ctas(int threads, int64_t smem) {
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, static_cast<size_t>(smem)));
     return per_sm;
   });
+}
+
+// CTAs of `Kernel` that one wave holds on the current device (at least one an SM).
+template <auto Kernel>
+int64_t wave_ctas(int threads, int64_t smem) {
+  return int64_t{at::cuda::getCurrentDeviceProperties()->multiProcessorCount} *
+         std::max(max_active_ctas<Kernel>(threads, smem), 1);
 }
 
 // Launches `kernel` so that it may start while the kernel before it on the stream finishes

@@ -153,9 +153,8 @@ void launch(const at::Tensor& x, const at::Tensor& scale, at::Tensor& out) {
 
   // Resident blocks only: each thread walks several groups, so its one division pays off.
   constexpr int threads = 256;
-  const int per_sm = std::max(magicube::max_active_ctas<quantize_kernel<T, BITS, SIGNED>>(threads, 0), 1);
   const int64_t blocks = std::min<int64_t>((groups + threads - 1) / threads,
-                                           static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * per_sm);
+                                           magicube::wave_ctas<quantize_kernel<T, BITS, SIGNED>>(threads, 0));
   int64_t rest = blocks * threads;
   for (int i = kDigits - 1; i > 0; --i) {
     w.step[i] = static_cast<uint32_t>(rest % w.radix[i]);

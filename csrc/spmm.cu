@@ -79,9 +79,7 @@ void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t strea
   // pattern: there CTA i takes vector row i (row_order null).
   Params q = p;
   if constexpr (!MERGE) {
-    const int64_t wave = at::cuda::getCurrentDeviceProperties()->multiProcessorCount *
-                         int64_t{magicube::max_active_ctas<kernel>(kThreads, smem)};
-    if (static_cast<int64_t>(grid.x) * tiles * bh <= wave) q.row_order = nullptr;
+    if (static_cast<int64_t>(grid.x) * tiles * bh <= magicube::wave_ctas<kernel>(kThreads, smem)) q.row_order = nullptr;
   }
   magicube::launch_overlapped(kernel, grid, dim3(kThreads), static_cast<size_t>(smem), stream, q);
 }
@@ -155,19 +153,36 @@ bool can_stack(int64_t a_bits, bool a_signed, int64_t v) {
 // on smaller grids, where each CTA's chain of latencies counts, L12-R4 0.96-1.20x (1.07x under four
 // CTAs an SM, 1.01x at four to eight, losing most at sparsity 0.95-0.98; the whole sweep's cells at
 // 7.8 took 0.93-0.97x) and unsigned A 0.92-1.20x (1.06x under four, 1.00x at four to eight;
-// kernel_checks.md, forty-ninth and fiftieth rounds).
+// kernel_checks.md, forty-ninth and fiftieth rounds). They stack on smaller grids too where the
+// stacked form's occupancy runs the grid in fewer waves (12-bit A with 4-bit B from four to six
+// CTAs an SM, one wave against two, and from eight to ten, two against three). The cells of that
+// data at four to eight were at 7.8, two waves either way; off the sweep's grid, L12-R4 at 5.8 an
+// SM took 0.76-0.87x the time stacked (15 cells, M = K 1536 and 3072, N 96-384, sparsity
+// 0.93-0.985), and on 432 fresh cells (L12-R4 and unsigned L16-R4, -R8, -R16, BH 1-3, M = K
+// 896-4864, 4.4-18 CTAs an SM, sparsity 0.9-0.99) the 208 that the waves moved took 0.836x and
+// 0.834x the time in two A/Bs, 0.73-1.01x by cell, the others 1.000x and 1.004x (kernel_checks.md,
+// sixty-fifth round).
 template <int AB, bool AS, int BB, int TB>
 void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice,
                  int64_t a_bits) {
-  if constexpr (AB == 16 && !magicube::spmm_detail::Kind<AB, AS, BB, TB>::kLocalSums) {
+  namespace sd = magicube::spmm_detail;
+  if constexpr (AB == 16 && !sd::Kind<AB, AS, BB, TB>::kLocalSums) {
     const int64_t ctas = vrows * ((p.row_bytes + TB - 1) / TB) * bh;
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    const bool pays = p.v == 2 ? nnz_pad >= 2 * kSlots * vrows && ctas >= 4 * sms : ctas >= 10 * sms;
-    const bool asked = choice == Choice::kStacked || (choice != Choice::kGather && choice != Choice::kMerged && pays);
-    if (can_stack(a_bits, AS, p.v) && asked) {
-      if (p.v == 2) return launch_tiles<AB, AS, BB, true, TB, 2>(p, vrows, bh, stream);
-      // Signed A stacks at V 4 as 12-bit values only, which meet 4-bit B only (spmm_cuda's checks).
-      if constexpr (!AS || BB == 4) return launch_tiles<AB, AS, BB, true, TB, 4>(p, vrows, bh, stream);
+    const bool forced = choice == Choice::kStacked;
+    const bool open = choice != Choice::kGather && choice != Choice::kMerged;
+    if (p.v == 2 && can_stack(a_bits, AS, 2) && (forced || (open && nnz_pad >= 2 * kSlots * vrows && ctas >= 4 * sms)))
+      return launch_tiles<AB, AS, BB, true, TB, 2>(p, vrows, bh, stream);
+    // Signed A stacks at V 4 as 12-bit values only, which meet 4-bit B only (spmm_cuda's checks).
+    if constexpr (!AS || BB == 4) {
+      constexpr auto stacked = sd::spmm_kernel<AB, AS, BB, true, TB, 4, false>;
+      constexpr auto plain = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false>;
+      const auto waves = [ctas](int64_t wave) { return (ctas + wave - 1) / wave; };
+      const auto fewer_waves = [&] {
+        return waves(magicube::wave_ctas<stacked>(kThreads, 0)) < waves(magicube::wave_ctas<plain>(kThreads, 0));
+      };
+      if (p.v == 4 && can_stack(a_bits, AS, 4) && (forced || (open && (ctas >= 10 * sms || fewer_waves()))))
+        return launch_tiles<AB, AS, BB, true, TB, 4>(p, vrows, bh, stream);
     }
   }
   launch_tiles<AB, AS, BB, true, TB>(p, vrows, bh, stream);
@@ -199,8 +214,7 @@ void launch(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStr
 // one a WARPS vector rows; and the vector rows each warp then runs.
 template <auto Kernel, int WARPS>
 std::pair<int64_t, int64_t> resident_groups(int64_t smem, int64_t slices, int64_t vrows, int64_t bh) {
-  const int64_t ctas = static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) *
-                       std::max(magicube::max_active_ctas<Kernel>(32 * WARPS, smem), 1);
+  const int64_t ctas = magicube::wave_ctas<Kernel>(32 * WARPS, smem);
   const int64_t groups = std::clamp<int64_t>(ctas / (slices * bh), 1, (vrows + WARPS - 1) / WARPS);
   return {groups, (vrows + groups * WARPS - 1) / (groups * WARPS)};
 }
@@ -311,7 +325,15 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
 }
 
 // Which of our GEMMs multiplies the planes where cuBLAS's does not (pick_gemm).
-enum class Gemm { kMma, kWgmmaLarge, kWgmmaSmall, kWgmmaSmallOneWave, kWgmmaLeast, kWgmmaLeastOneWave, kWgmmaLeastSplit };
+enum class Gemm {
+  kMma,
+  kWgmmaLarge,
+  kWgmmaSmall,
+  kWgmmaSmallOneWave,
+  kWgmmaLeast,
+  kWgmmaLeastOneWave,
+  kWgmmaLeastSplit
+};
 
 // The dense path (spmm_dense.cuh): the GEMM's operands, padded to kAlign rows and columns (cuBLAS's
 // int8 GEMM takes K and N in multiples of 8 and more than 16 rows of A; ours, K in 16-byte chunks),

@@ -219,8 +219,10 @@ def test_forced_way_runs(kernels, monkeypatch, way):
 # GPUs of up to 256 SMs), not on 8-bit B's narrow tile (rows of at most 128 bytes), nor on rows of
 # one block (sparsity 0.99; M = K = 2044, not a multiple of 8, so that no rows merge), nor on a grid
 # of 256 CTAs; and 12-bit A and unsigned 16-bit A at V 4 where the grid holds ten or more (2048
-# here, on GPUs of up to 204 SMs; not 512), never signed 16-bit A at V 4. `stacked` stacks wherever
-# it can, `gather` never does.
+# here, on GPUs of up to 204 SMs) or where the stacked form's occupancy runs it in fewer waves (12-bit
+# A with 4-bit B: six CTAs an SM against four; 640 CTAs, one wave against two on GPUs of 107-159
+# SMs; not 896, two waves either way on 112-149 SMs, nor 256), never signed 16-bit A at V 4.
+# `stacked` stacks wherever it can, `gather` never does.
 STACK_CASES = {
     "L16-R8-wide": (16, 8, 2, 0.95, 2048, 256, "auto", 2),
     "L16-R16": (16, 16, 2, 0.95, 2048, 128, "auto", 2),
@@ -231,11 +233,13 @@ STACK_CASES = {
     "L16u-R8-v4": (16, 8, 4, 0.98, 4096, 512, False, "auto", 4),
     "L16u-R16-v4": (16, 16, 4, 0.98, 4096, 256, False, "auto", 4),
     "L16u-R4-v4": (16, 4, 4, 0.98, 4096, 512, False, "auto", 4),
-    "L16u-R8-v4-few-ctas": (16, 8, 4, 0.95, 2048, 256, False, "auto", 0),
+    "L16u-R8-v4-few-ctas": (16, 8, 4, 0.95, 1024, 256, False, "auto", 0),
     "L16u-R8-v4-stacked": (16, 8, 4, 0.95, 2048, 256, False, "stacked", 4),
     "L16u-R8-v4-narrow-stacked": (16, 8, 4, 0.95, 2048, 128, False, "stacked", 0),
     "L12-R4-v4": (12, 4, 4, 0.98, 4096, 512, "auto", 4),
-    "L12-R4-v4-few-ctas": (12, 4, 4, 0.95, 2048, 256, "auto", 0),
+    "L12-R4-v4-few-ctas": (12, 4, 4, 0.95, 1024, 256, "auto", 0),
+    "L12-R4-v4-fewer-waves": (12, 4, 4, 0.95, 2560, 256, "auto", 4),
+    "L12-R4-v4-two-waves-either-way": (12, 4, 4, 0.95, 3584, 256, "auto", 0),
     "L12-R4-v4-gather": (12, 4, 4, 0.95, 2048, 256, "gather", 0),
     "L12-R4-v8-stacked": (12, 4, 8, 0.95, 2048, 256, "stacked", 0),
     "L16-R8-one-block-rows": (16, 8, 2, 0.99, 2044, 256, "auto", 0),
