@@ -138,30 +138,36 @@ bool can_stack(int64_t a_bits, bool a_signed, int64_t v) {
 
 // The fast copies' tiles. 16-bit A at V 2 can stack its planes into one MMA (spmm_kernel.cuh),
 // except on 8-bit B's narrow tile, and does where its rows average two blocks or more and the grid
-// holds four CTAs an SM or more. H200, gather kernel, M = K 1024-4096, N 128-512, sparsity 0.7 /
-// 0.9 / 0.98, against two MMAs: L16-R4 and L12-R4 0.85-0.96x the time at M = K = 4096, L16-R16
+// holds four CTAs an SM or more (with 16-bit B, rows of one block too where the two-MMA form's grid
+// takes more than one wave). H200, gather kernel, M = K 1024-4096, N 128-512, sparsity 0.7 / 0.9 /
+// 0.98, against two MMAs: L16-R4 and L12-R4 0.85-0.96x the time at M = K = 4096, L16-R16
 // 0.90-0.95x, L16-R8 0.92-0.94x (wide tile); rows of one block (M = K = 1024, sparsity 0.98)
 // 1.00-1.09x, and 8-bit B's narrow tile, whose fold sums two MMAs keep in local memory, 1.01-1.09x
 // at M = K 1024 and 4096. In the sweep, grids of fewer CTAs (M = K 512, and 1024 at N up to 256)
-// took up to 1.10x (kernel_checks.md, forty-sixth round). At V 4, 12-bit A (digits) and unsigned
-// 16-bit A stack where the grid holds ten CTAs an SM or more: there the fewer registers let more
-// CTAs share an SM (12-bit A with 4-bit B: 80 against 110, six CTAs, not four; unsigned A: 80
-// against 110 with 4-bit B, 96 against 124 with 8-bit, 78 against 96 with 16-bit), and L12-R4 took
-// 0.85-0.98x the time (0.91x on the geometric mean of 89 cells; H200, gather kernel, BH 1-16, M = K
-// 512-4096, N 128-512, sparsity 0.7-0.98, rows of one block too), unsigned A 0.84-0.99x (0.90x over
-// 117 cells of L16u-R8, -R4 and -R16, BH 1-16, M = K 1024-4096, N 256 and 512, sparsity 0.7-0.98);
-// on smaller grids, where each CTA's chain of latencies counts, L12-R4 0.96-1.20x (1.07x under four
-// CTAs an SM, 1.01x at four to eight, losing most at sparsity 0.95-0.98; the whole sweep's cells at
-// 7.8 took 0.93-0.97x) and unsigned A 0.92-1.20x (1.06x under four, 1.00x at four to eight;
-// kernel_checks.md, forty-ninth and fiftieth rounds). They stack on smaller grids too where the
-// stacked form's occupancy runs the grid in fewer waves (12-bit A with 4-bit B from four to six
-// CTAs an SM, one wave against two, and from eight to ten, two against three). The cells of that
-// data at four to eight were at 7.8, two waves either way; off the sweep's grid, L12-R4 at 5.8 an
-// SM took 0.76-0.87x the time stacked (15 cells, M = K 1536 and 3072, N 96-384, sparsity
-// 0.93-0.985), and on 432 fresh cells (L12-R4 and unsigned L16-R4, -R8, -R16, BH 1-3, M = K
-// 896-4864, 4.4-18 CTAs an SM, sparsity 0.9-0.99) the 208 that the waves moved took 0.836x and
-// 0.834x the time in two A/Bs, 0.73-1.01x by cell, the others 1.000x and 1.004x (kernel_checks.md,
-// sixty-fifth round).
+// took up to 1.10x (kernel_checks.md, forty-sixth round). 16-bit B's two planes make four MMAs a
+// step of the two-MMA form, and there rows of one block gain too once its CTAs do not all fit one
+// wave: forced off the sweep's grid, L16-R16's at 5.8 CTAs an SM took 0.83-0.95x the time stacked
+// (11 cells), and on 120 fresh cells (BH 1-3, M = K 600-2300, N 112-288, sparsity 0.975-0.995) the
+// 31 the rule moved took 0.94x, 0.85-0.98x by cell, the others the same. A first draft that took
+// them from four CTAs an SM lost up to 1.05x in one wave (M = K = 1280, N 96 and 128; sixty-fifth
+// round). At V 4, 12-bit A (digits) and unsigned 16-bit A stack where the grid holds ten CTAs an SM
+// or more: there the fewer registers let more CTAs share an SM (12-bit A with 4-bit B: 80 against
+// 110, six CTAs, not four; unsigned A: 80 against 110 with 4-bit B, 96 against 124 with 8-bit, 78
+// against 96 with 16-bit), and L12-R4 took 0.85-0.98x the time (0.91x on the geometric mean of 89
+// cells; H200, gather kernel, BH 1-16, M = K 512-4096, N 128-512, sparsity 0.7-0.98, rows of one
+// block too), unsigned A 0.84-0.99x (0.90x over 117 cells of L16u-R8, -R4 and -R16, BH 1-16, M = K
+// 1024-4096, N 256 and 512, sparsity 0.7-0.98); on smaller grids, where each CTA's chain of
+// latencies counts, L12-R4 0.96-1.20x (1.07x under four CTAs an SM, 1.01x at four to eight, losing
+// most at sparsity 0.95-0.98; the whole sweep's cells at 7.8 took 0.93-0.97x) and unsigned A
+// 0.92-1.20x (1.06x under four, 1.00x at four to eight; kernel_checks.md, forty-ninth and fiftieth
+// rounds). They stack on smaller grids too where the stacked form's occupancy runs the grid in
+// fewer waves (12-bit A with 4-bit B from four to six CTAs an SM, one wave against two, and from
+// eight to ten, two against three). The cells of that data at four to eight were at 7.8, two waves
+// either way; off the sweep's grid, L12-R4 at 5.8 an SM took 0.76-0.87x the time stacked (15 cells,
+// M = K 1536 and 3072, N 96-384, sparsity 0.93-0.985), and on 432 fresh cells (L12-R4 and unsigned
+// L16-R4, -R8, -R16, BH 1-3, M = K 896-4864, 4.4-18 CTAs an SM, sparsity 0.9-0.99) the 208 that the
+// waves moved took 0.836x and 0.834x the time in two A/Bs, 0.73-1.01x by cell, the others 1.000x
+// and 1.004x (kernel_checks.md, sixty-fifth round).
 template <int AB, bool AS, int BB, int TB>
 void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice,
                  int64_t a_bits) {
@@ -171,13 +177,15 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const bool forced = choice == Choice::kStacked;
     const bool open = choice != Choice::kGather && choice != Choice::kMerged;
-    if (p.v == 2 && can_stack(a_bits, AS, 2) && (forced || (open && nnz_pad >= 2 * kSlots * vrows && ctas >= 4 * sms)))
+    constexpr auto plain = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false>;
+    const auto waves = [ctas](int64_t wave) { return (ctas + wave - 1) / wave; };
+    const bool rows_pay =
+        nnz_pad >= 2 * kSlots * vrows || (BB == 16 && waves(magicube::wave_ctas<plain>(kThreads, 0)) > 1);
+    if (p.v == 2 && can_stack(a_bits, AS, 2) && (forced || (open && rows_pay && ctas >= 4 * sms)))
       return launch_tiles<AB, AS, BB, true, TB, 2>(p, vrows, bh, stream);
     // Signed A stacks at V 4 as 12-bit values only, which meet 4-bit B only (spmm_cuda's checks).
     if constexpr (!AS || BB == 4) {
       constexpr auto stacked = sd::spmm_kernel<AB, AS, BB, true, TB, 4, false>;
-      constexpr auto plain = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false>;
-      const auto waves = [ctas](int64_t wave) { return (ctas + wave - 1) / wave; };
       const auto fewer_waves = [&] {
         return waves(magicube::wave_ctas<stacked>(kThreads, 0)) < waves(magicube::wave_ctas<plain>(kThreads, 0));
       };
