@@ -179,9 +179,10 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
     const bool open = choice != Choice::kGather && choice != Choice::kMerged;
     constexpr auto plain = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false>;
     const auto waves = [ctas](int64_t wave) { return (ctas + wave - 1) / wave; };
-    const bool rows_pay =
-        nnz_pad >= 2 * kSlots * vrows || (BB == 16 && waves(magicube::wave_ctas<plain>(kThreads, 0)) > 1);
-    if (p.v == 2 && can_stack(a_bits, AS, 2) && (forced || (open && rows_pay && ctas >= 4 * sms)))
+    const auto rows_pay = [&] {
+      return nnz_pad >= 2 * kSlots * vrows || (BB == 16 && waves(magicube::wave_ctas<plain>(kThreads, 0)) > 1);
+    };
+    if (p.v == 2 && can_stack(a_bits, AS, 2) && (forced || (open && ctas >= 4 * sms && rows_pay())))
       return launch_tiles<AB, AS, BB, true, TB, 2>(p, vrows, bh, stream);
     // Signed A stacks at V 4 as 12-bit values only, which meet 4-bit B only (spmm_cuda's checks).
     if constexpr (!AS || BB == 4) {
@@ -275,6 +276,19 @@ std::pair<int64_t, int64_t> resident_groups(int64_t smem, int64_t slices, int64_
 // blocks at V 4 and sparsity 0.93. So do 4-bit B's rows of up to 112 bytes where A's rows average
 // four blocks or more: 0.94x over 124 such cells of a second A/B, 0.82-1.04x by cell; rows of 128
 // bytes, left out, took 0.98x on the mean and up to 1.12x (kernel_checks.md, sixty-first round).
+// 4-bit B's rows of 33-64 bytes take a quarter at any BH where the resident grid keeps ten warps an
+// SM or more in rows and a warp runs at least a block per 32 rows of the slice its CTA loads.
+// Forced off the sweep's grid (H200, BH 1, M = K 1536-3072, V 2 / 4, sparsity 0.93-0.985, 11 such
+// warps), the gather kernel took 1.05-1.4x the resident kernel's time at counts under 24 KB, where
+// on the sweep's grid, with 3-7 busy warps, the other ways ran 1.05-1.4x faster than it (with 15,
+// at M = K 2048, V 2, sparsity 0.98, it won too: 0.86-0.88x; at 4096, V 4, where the bound below
+// leaves it out, 0.82-0.90x). In A/Bs on three sets of fresh cells (H200, L4-R4, L12-R4, L16-R4, M
+// 512-6656, K 1024-6144, N 96 and 128, V 2 / 4 / 8, BH 1-3, sparsity 0.9-0.99) the cells it moved
+// took 0.838x the time (183 cells, without the bound on a warp's blocks; up to 1.34x at K 5120, a
+// warp's blocks 1/53 of K), 0.840x (291, a bound of 1/48; up to 1.38x at K 4864-6144, V 4, sparsity
+// 0.98) and 0.804x (168 cells, this bound; 0.65-1.17x by cell), the others 1.000x. Not with 8-bit
+// A, whose gather kernel runs such rows faster (M = K 1536, V 2, sparsity 0.96: 3.9 us against 4.6
+// resident; 5.0-5.5 with 4-, 12- and 16-bit A; kernel_checks.md, sixty-sixth round).
 // Wider rows of 8-bit B take the gather kernel's wide tile at L2 bandwidth, and the resident
 // kernel's shared-memory gathers lose to bank conflicts (N 256: 8.6 against 14.5 us at the SpMM
 // target). Returns whether it ran.
@@ -297,6 +311,9 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const auto [wide_groups, wide_rows] = resident_groups<wide, 16>(smem, slices, vrows, bh);
   const auto [small_groups, small_rows] = resident_groups<small, 4>(smem, slices, vrows, bh);
   const bool split = small_rows < wide_rows;
+  // The vector rows each warp runs, and the warps with rows an SM.
+  const int64_t rows = split ? small_rows : wide_rows;
+  const int64_t busy_warps = slices * bh * ((vrows + rows - 1) / rows) / props->multiProcessorCount;
   // The gather kernel's bytes per SM and unit of V (each gathered row feeds V output rows), and
   // where the resident kernel starts to pay, by the share of the narrow tile that a row fills.
   const int64_t tile = sd::kNarrowTileBytes, rb = p.row_bytes;
@@ -306,7 +323,10 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const bool quarter_at_v4 = BB == 4 && p.v == 4 && bh >= 8 && long_rows &&
                              (AB == 16 ? rb <= tile : 4 * rb <= 3 * tile && bh <= 16);
   const bool quarter_split = split && bh >= 8 && (4 * rb <= 3 * tile || (BB == 4 && 8 * rb <= 7 * tile && long_rows));
-  const int64_t batched = 2 * rb <= tile || (BB == 4 && p.v == 8 && rb <= tile) || quarter_at_v4 || quarter_split
+  const bool quarter_busy = BB == 4 && AB != 8 && 2 * rb <= tile && 4 * rb > tile && busy_warps >= 10 &&
+                            32 * rows * nnz_pad >= vrows * p.k;
+  const int64_t batched = quarter_busy ? 4
+                          : 2 * rb <= tile || (BB == 4 && p.v == 8 && rb <= tile) || quarter_at_v4 || quarter_split
                               ? std::min<int64_t>(bh, 4)
                               : 1;
   const int64_t pays_from = (8 * rb <= tile   ? 6 << 10

@@ -20,10 +20,11 @@ pytestmark = [pytest.mark.gpu,
 wgmma_estimate = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                                     reason="the dense path's estimate here is its wgmma GEMM's (Hopper)")
 
-# Whether the resident kernel's grid takes CTAs of 4 warps depends on the SM count (launch_resident);
-# the cases that rely on it hold on GPUs of 108-143 SMs (the H100 PCIe has 114, SXM and H200 132).
+# The resident kernel's grid (CTAs of 4 or 16 warps, its busy warps an SM) depends on the SM count
+# (launch_resident); the cases that rely on it hold on GPUs of 108-143 SMs (the H100 PCIe has 114,
+# SXM and H200 132).
 sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 0
-four_warp_grid = pytest.mark.skipif(not 108 <= sms < 144, reason="the case's resident grid holds for 108-143 SMs")
+resident_grid = pytest.mark.skipif(not 108 <= sms < 144, reason="the case's resident grid holds for 108-143 SMs")
 # Rows of A of at most two blocks merge from 7/4 merged CTAs an SM (launch_merged): 256 of them on
 # GPUs of up to 146 SMs.
 short_rows_grid = pytest.mark.skipif(not 0 < sms <= 146, reason="the case's 256 merged CTAs pay on up to 146 SMs")
@@ -175,6 +176,10 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
 # (rows of 128 bytes), M = K = 768, BH 24: 52.4 KB, still against 96. So do 4-bit B's rows of up to
 # 112 bytes where A's rows average four blocks or more: L8-R4 at N 224, sparsity 0.8, M = K = 704
 # (five blocks a row), BH 12: 70.0 KB against 24 (six rows a warp in 16-warp CTAs, four in 4-warp).
+# 4-bit B's rows of 33-64 bytes take a quarter at any BH where the resident grid keeps ten warps an
+# SM or more in rows, but not with 8-bit A: L16-R4 and L8-R4 at V 2, N 128, sparsity 0.95, M = K =
+# 1536 (768 vector rows, a row a warp, 11 busy warps an SM on 132 SMs), BH 1: 17.5 KB against 6
+# (before, 24); L4-R4 at sparsity 0.9, M = K = 1024 (7 busy warps an SM): 15.5 KB, still against 24.
 BATCHED_CASES = [
     pytest.param((8, 8, 4, 0.9, 2048, 128), 16, "resident", id="dense-factor-resident", marks=wgmma_estimate),
     pytest.param((8, 8, 2, 0.5, 2048, 256), 16, "dense", id="dense-factor-dense", marks=wgmma_estimate),
@@ -188,12 +193,18 @@ BATCHED_CASES = [
     pytest.param((4, 4, 4, 0.8, 768, 192), 8, "resident", id="4-bit-a-v4-long-rows-bh8"),
     pytest.param((8, 4, 4, 0.8, 640, 224), 16, "gather", id="8-bit-a-v4-112-byte-rows-bh16"),
     pytest.param((8, 4, 4, 0.8, 640, 160), 24, "resident", id="8-bit-a-v4-4-warp-ctas-bh24",
-                 marks=four_warp_grid),
+                 marks=resident_grid),
     pytest.param((8, 8, 4, 0.75, 512, 96), 24, "resident", id="8-bit-b-96-byte-rows-4-warp-ctas-bh24",
-                 marks=four_warp_grid),
+                 marks=resident_grid),
     pytest.param((8, 4, 4, 0.8, 704, 224), 12, "resident", id="4-bit-b-112-byte-long-rows-4-warp-ctas-bh12",
-                 marks=four_warp_grid),
+                 marks=resident_grid),
     pytest.param((8, 8, 8, 0.75, 768, 128), 24, "gather", id="8-bit-b-128-byte-rows-bh24"),
+    pytest.param((16, 4, 2, 0.95, 1536, 128), 1, "resident", id="4-bit-b-64-byte-rows-busy-warps-bh1",
+                 marks=resident_grid),
+    pytest.param((8, 4, 2, 0.95, 1536, 128), 1, "gather", id="8-bit-a-64-byte-rows-busy-warps-bh1",
+                 marks=resident_grid),
+    pytest.param((4, 4, 2, 0.9, 1024, 128), 1, "gather", id="4-bit-b-64-byte-rows-few-warps-bh1",
+                 marks=resident_grid),
 ]
 
 
@@ -266,7 +277,7 @@ def test_stacked_planes(kernels, monkeypatch, case):
 # vector rows: at BH 24, 72 (slice, batch x head) pairs, which one 16-warp CTA an SM covers once (16
 # warps a pair, 6 rows a warp), 4-warp CTAs six times or more (24 warps or more, 4 rows or fewer); at
 # BH 1, 3 pairs, which 16-warp CTAs already split to a row a warp.
-@four_warp_grid
+@resident_grid
 @pytest.mark.parametrize("a_bits, b_bits, v", [(8, 8, 8), (16, 8, 4), (8, 4, 4), (4, 4, 8)],
                          ids=["L8-R8-v8", "L16-R8-v4", "L8-R4-v4", "L4-R4-v8"])
 @pytest.mark.parametrize("bh, warps", [(24, 4), (1, 16)], ids=["bh24", "bh1"])
