@@ -29,6 +29,12 @@ resident_grid = pytest.mark.skipif(not 108 <= sms < 144, reason="the case's resi
 # GPUs of up to 146 SMs.
 short_rows_grid = pytest.mark.skipif(not 0 < sms <= 146, reason="the case's 256 merged CTAs pay on up to 146 SMs")
 
+
+def on_resident_grid(shape, bh, way, case_id):
+    """A batched case whose resident grid holds on GPUs of 108-143 SMs only (resident_grid)."""
+    return pytest.param(shape, bh, way, id=case_id, marks=resident_grid)
+
+
 # A way, by a kernel that only it launches (the dense path's GEMM is cuBLAS's or one of ours).
 WAY_KERNELS = {"gather": "spmm_kernel<", "resident": "spmm_resident_kernel<", "dense": "expand_kernel<"}
 
@@ -192,19 +198,13 @@ BATCHED_CASES = [
     pytest.param((8, 4, 4, 0.8, 768, 192), 8, "resident", id="8-bit-a-v4-long-rows-bh8"),
     pytest.param((4, 4, 4, 0.8, 768, 192), 8, "resident", id="4-bit-a-v4-long-rows-bh8"),
     pytest.param((8, 4, 4, 0.8, 640, 224), 16, "gather", id="8-bit-a-v4-112-byte-rows-bh16"),
-    pytest.param((8, 4, 4, 0.8, 640, 160), 24, "resident", id="8-bit-a-v4-4-warp-ctas-bh24",
-                 marks=resident_grid),
-    pytest.param((8, 8, 4, 0.75, 512, 96), 24, "resident", id="8-bit-b-96-byte-rows-4-warp-ctas-bh24",
-                 marks=resident_grid),
-    pytest.param((8, 4, 4, 0.8, 704, 224), 12, "resident", id="4-bit-b-112-byte-long-rows-4-warp-ctas-bh12",
-                 marks=resident_grid),
+    on_resident_grid((8, 4, 4, 0.8, 640, 160), 24, "resident", "8-bit-a-v4-4-warp-ctas-bh24"),
+    on_resident_grid((8, 8, 4, 0.75, 512, 96), 24, "resident", "8-bit-b-96-byte-rows-4-warp-ctas-bh24"),
+    on_resident_grid((8, 4, 4, 0.8, 704, 224), 12, "resident", "4-bit-b-112-byte-long-rows-4-warp-ctas-bh12"),
     pytest.param((8, 8, 8, 0.75, 768, 128), 24, "gather", id="8-bit-b-128-byte-rows-bh24"),
-    pytest.param((16, 4, 2, 0.95, 1536, 128), 1, "resident", id="4-bit-b-64-byte-rows-busy-warps-bh1",
-                 marks=resident_grid),
-    pytest.param((8, 4, 2, 0.95, 1536, 128), 1, "gather", id="8-bit-a-64-byte-rows-busy-warps-bh1",
-                 marks=resident_grid),
-    pytest.param((4, 4, 2, 0.9, 1024, 128), 1, "gather", id="4-bit-b-64-byte-rows-few-warps-bh1",
-                 marks=resident_grid),
+    on_resident_grid((16, 4, 2, 0.95, 1536, 128), 1, "resident", "4-bit-b-64-byte-rows-busy-warps-bh1"),
+    on_resident_grid((8, 4, 2, 0.95, 1536, 128), 1, "gather", "8-bit-a-64-byte-rows-busy-warps-bh1"),
+    on_resident_grid((4, 4, 2, 0.9, 1024, 128), 1, "gather", "4-bit-b-64-byte-rows-few-warps-bh1"),
 ]
 
 
