@@ -183,9 +183,10 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
 # 112 bytes where A's rows average four blocks or more: L8-R4 at N 224, sparsity 0.8, M = K = 704
 # (five blocks a row), BH 12: 70.0 KB against 24 (six rows a warp in 16-warp CTAs, four in 4-warp).
 # 4-bit B's rows of 33-64 bytes take a quarter at any BH where the resident grid keeps ten warps an
-# SM or more in rows, but not with 8-bit A: L16-R4 and L8-R4 at V 2, N 128, sparsity 0.95, M = K =
-# 1536 (768 vector rows, a row a warp, 11 busy warps an SM on 132 SMs), BH 1: 17.5 KB against 6
-# (before, 24); L4-R4 at sparsity 0.9, M = K = 1024 (7 busy warps an SM): 15.5 KB, still against 24.
+# SM or more in rows, but not with 8-bit A: L16-R4 at V 2, N 128, sparsity 0.95, M = K = 1536 (768
+# vector rows, a row a warp, 11 busy warps an SM on 132 SMs), BH 1: 17.5 KB against 6 (before, 24;
+# L8-R4 there still against 24); L4-R4 at sparsity 0.9, M = K = 1024 (7 busy warps an SM): 15.5 KB,
+# still against 24.
 BATCHED_CASES = [
     pytest.param((8, 8, 4, 0.9, 2048, 128), 16, "resident", id="dense-factor-resident", marks=wgmma_estimate),
     pytest.param((8, 8, 2, 0.5, 2048, 256), 16, "dense", id="dense-factor-dense", marks=wgmma_estimate),
