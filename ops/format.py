@@ -25,6 +25,14 @@ STRIDES = (8, 16, 32, 64)
 # kernel unpacks int4 to int8 with one mask and one shift per word instead of a transpose.
 INT4_SHUFFLE = (0, 4, 1, 5, 2, 6, 3, 7)
 
+# The resident-B SpMM kernel (csrc/spmm_kernel.cuh) holds a column slice of B in shared memory, B
+# row r in bank group r % 8, and reads a block's 32 gathered rows by ldmatrix, 8 rows a phase: rows
+# of one phase in one bank group are read one after another. BANK_GROUP[s] is the group that slot s
+# of a 32-slot block asks for. It differs among the 8 slots of every phase under both of the
+# kernel's slot-to-phase maps (8- and 16-bit A: a phase fixes bits 1 and 4 of s; 4-bit A: bits 0
+# and 2), so a row whose columns fill every group's asks reads each phase without a conflict.
+BANK_GROUP = tuple(((s ^ s >> 1) & 1) | ((s >> 2 ^ s >> 4) & 1) << 1 | (s >> 3 & 1) << 2 for s in range(32))
+
 
 def _check_vector_length(v: int) -> None:
     if v not in VECTOR_LENGTHS:
@@ -110,7 +118,8 @@ class SRBCRS:
 
     row_ptr:   int32 [2*(M/V)], pairs (start of the padded vector row, start + kept count),
                in slots.
-    col_idx:   int32 [nnz_pad], kept columns ascending (or int4-shuffled), -1 for padding.
+    col_idx:   int32 [nnz_pad], each vector row's kept columns (in bank order or ascending, see
+               from_mask; any order is valid), then -1 for padding.
     row_order: int32 [M/V], vector rows by decreasing padded length, for load balance.
     longest_row: the most vectors a vector row keeps (derived), which lets a kernel know without
                reading the pattern on the GPU whether any row is long enough to need other work.
@@ -156,7 +165,11 @@ class SRBCRS:
         object.__setattr__(self, "longest_row", int((ends - starts).max()) if rows else 0)
 
     @classmethod
-    def from_mask(cls, mask: VectorMask, stride: int = 32, shuffle: bool = False) -> "SRBCRS":
+    def from_mask(cls, mask: VectorMask, stride: int = 32, shuffle: bool = False,
+                  bank_order: bool = True) -> "SRBCRS":
+        """The pattern of `mask`. Each vector row's kept columns go in bank order (BANK_GROUP,
+        _bank_order), or ascending with bank_order=False; shuffle then applies INT4_SHUFFLE inside
+        every group of 8 slots (the paper's int4 layout; the kernels do not need it)."""
         if not isinstance(mask, VectorMask):
             raise TypeError(f"mask: expected a VectorMask, got {type(mask).__name__}")
         if stride not in STRIDES:
@@ -176,6 +189,8 @@ class SRBCRS:
         first = torch.cumsum(counts, 0) - counts
         slot = starts[row_of] + torch.arange(row_of.numel()) - first[row_of]
         col_idx[slot] = col_of
+        if bank_order:
+            col_idx = _bank_order(col_idx, starts, counts)
         if shuffle:
             col_idx = col_idx[_shuffle_permutation(nnz_pad)]
         row_order = torch.sort(padded, descending=True, stable=True).indices
@@ -225,6 +240,47 @@ class SRBCRS:
         out = values.new_zeros(*values.shape[:-1], self.m, self.k)
         out[..., row[keep], col[keep]] = values[..., keep]
         return out
+
+
+def _bank_order(col_idx: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """col_idx (kept columns ascending in each row) with each row's columns permuted so that slot s
+    holds a column in bank group BANK_GROUP[s % 32] wherever the row has one left.
+
+    Per row and group, the first min(asked, held) slots that ask for the group take the group's
+    columns in ascending order; the slots left over take the columns left over, their groups
+    interleaved (a group's first spare column, then every group's second, ...), so that a phase
+    that must repeat a group repeats it as few times as the row allows. On random rows at density
+    0.1 a phase reads 1.25 rows of its most-read group on average, ascending columns 2.5."""
+    rows, n = counts.numel(), int(counts.sum())
+    if n == 0:
+        return col_idx
+    row = torch.repeat_interleave(torch.arange(rows), counts)
+    local = torch.arange(n) - (torch.cumsum(counts, 0) - counts)[row]
+    pos = starts[row] + local
+    col = col_idx[pos]
+    asked = row * 8 + torch.tensor(BANK_GROUP)[local % 32]
+    held = row * 8 + col % 8
+    matched = torch.minimum(torch.bincount(asked, minlength=8 * rows), torch.bincount(held, minlength=8 * rows))
+
+    def by_group(key):
+        """Indices sorted by key (stable), and each index's rank among those of its key."""
+        order = torch.sort(key, stable=True).indices
+        first = torch.cumsum(torch.bincount(key, minlength=8 * rows), 0) - torch.bincount(key, minlength=8 * rows)
+        rank = torch.empty_like(key)
+        rank[order] = torch.arange(n) - first[key[order]]
+        return order, rank
+
+    slot_order, slot_rank = by_group(asked)
+    col_order, col_rank = by_group(held)
+    out = col_idx.clone()
+    slot_fits, col_fits = slot_rank < matched[asked], col_rank < matched[held]
+    out[pos[slot_order[slot_fits[slot_order]]]] = col[col_order[col_fits[col_order]]]
+    # the spare columns of each row, spare index first and group second; the open slots in slot order
+    spare = (~col_fits).nonzero().flatten()
+    spare = spare[torch.sort((row[spare] * n + col_rank[spare] - matched[held[spare]]) * 8 + held[spare] % 8,
+                             stable=True).indices]
+    out[pos[~slot_fits]] = col[spare]
+    return out
 
 
 def _shuffle_permutation(n: int) -> torch.Tensor:

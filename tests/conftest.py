@@ -26,9 +26,10 @@ def random_ints(shape, bits: int, signed: bool = True, generator=None) -> torch.
 
 
 def problem(bh, rows, k, v, sparsity, seed, shuffle=False):
-    """A pattern (stride 32, the ops' stride) with its dense element mask."""
+    """A pattern (stride 32, the ops' stride) with its dense element mask; its columns in bank
+    order for half the seeds (seed % 4 < 2) and ascending for the others."""
     mask = awkward_mask(rows * v, k, v, sparsity, seed)
-    return SRBCRS.from_mask(mask, stride=32, shuffle=shuffle), mask.to_dense()
+    return SRBCRS.from_mask(mask, stride=32, shuffle=shuffle, bank_order=seed % 4 < 2), mask.to_dense()
 
 
 def kept_slots(p: SRBCRS, r: int) -> torch.Tensor:
@@ -38,8 +39,8 @@ def kept_slots(p: SRBCRS, r: int) -> torch.Tensor:
 
 
 def with_columns_shuffled(p: SRBCRS, generator) -> SRBCRS:
-    """p with each row's kept columns in a random order: the format lists them ascending, but
-    SRBCRS accepts any order, so no kernel may rely on it."""
+    """p with each row's kept columns in a random order: from_mask lists them in bank order or
+    ascending, but SRBCRS accepts any order, so no kernel may rely on either."""
     col = p.col_idx.clone()
     for s, e in zip(p.row_ptr[0::2].tolist(), p.row_ptr[1::2].tolist()):
         col[s:e] = col[s:e][torch.randperm(e - s, generator=generator)]

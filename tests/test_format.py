@@ -5,16 +5,16 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import awkward_mask
-from magicube.ops import INT4_SHUFFLE, SRBCRS, VectorMask, random_vector_mask, vector_mask_from_dense
+from magicube.ops import BANK_GROUP, INT4_SHUFFLE, SRBCRS, VectorMask, random_vector_mask, vector_mask_from_dense
 
 
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 7), k=st.integers(1, 90), v=st.sampled_from([2, 4, 8]),
        stride=st.sampled_from([8, 16, 32]), sparsity=st.floats(0, 1), seed=st.integers(0, 2**16),
-       shuffle=st.booleans(), bh=st.integers(1, 3))
-def test_round_trip(rows, k, v, stride, sparsity, seed, shuffle, bh):
+       shuffle=st.booleans(), bank_order=st.booleans(), bh=st.integers(1, 3))
+def test_round_trip(rows, k, v, stride, sparsity, seed, shuffle, bank_order, bh):
     mask = awkward_mask(rows * v, k, v, sparsity, seed)
-    p = SRBCRS.from_mask(mask, stride=stride, shuffle=shuffle)
+    p = SRBCRS.from_mask(mask, stride=stride, shuffle=shuffle, bank_order=bank_order)
     dense = torch.randint(-100, 100, (bh, rows * v, k))
     values = p.pack_values(dense)
     assert values.shape == (bh, p.nnz_pad * v)
@@ -35,7 +35,7 @@ def test_round_trip(rows, k, v, stride, sparsity, seed, shuffle, bh):
 def test_value_layout_is_row_major_inside_each_stride_block():
     v, s = 4, 8
     mask = VectorMask(torch.ones(1, 16, dtype=torch.bool), v)
-    p = SRBCRS.from_mask(mask, stride=s)
+    p = SRBCRS.from_mask(mask, stride=s, bank_order=False)
     dense = torch.arange(4 * 16).reshape(1, 4, 16)
     values = p.pack_values(dense)[0]
     # block 0: rows 0..3 of columns 0..7, row-major; then block 1: columns 8..15
@@ -45,12 +45,60 @@ def test_value_layout_is_row_major_inside_each_stride_block():
 
 def test_int4_shuffle_permutes_slots_within_groups_of_eight():
     mask = VectorMask(torch.ones(1, 32, dtype=torch.bool), 2)
-    plain = SRBCRS.from_mask(mask, stride=32)
-    shuffled = SRBCRS.from_mask(mask, stride=32, shuffle=True)
+    plain = SRBCRS.from_mask(mask, stride=32, bank_order=False)
+    shuffled = SRBCRS.from_mask(mask, stride=32, shuffle=True, bank_order=False)
     assert shuffled.col_idx[:8].tolist() == list(INT4_SHUFFLE)
     assert torch.equal(shuffled.col_idx.view(-1, 8).sort(1).values, plain.col_idx.view(-1, 8))
     dense = torch.randn(3, 2, 32)
     assert torch.equal(shuffled.to_dense(shuffled.pack_values(dense)), dense)
+
+
+def phase_repeats(p: SRBCRS, phase_of) -> float:
+    """Mean over the ldmatrix phases of the resident-B kernel (8 slots each, phase_of(slot)) of the
+    most kept columns that one phase holds in one bank group (column % 8): 1 is conflict-free."""
+    worst = []
+    for s, e in zip(p.row_ptr[0::2].tolist(), p.row_ptr[1::2].tolist()):
+        phases: dict = {}
+        for i, c in enumerate(p.col_idx[s:e].tolist()):
+            phases.setdefault(phase_of(i), []).append(c % 8)
+        worst += [max(g.count(x) for x in g) for g in phases.values()]
+    return sum(worst) / len(worst)
+
+
+def phase_8bit_a(i):  # slots a phase reads: 8- and 16-bit A fix bits 1 and 4 (Kind::smem_row)
+    return i // 32, i >> 4 & 1, i >> 1 & 1
+
+
+def phase_4bit_a(i):  # 4-bit A: bits 0 and 2
+    return i // 32, i & 1, i >> 2 & 1
+
+
+def test_bank_group_differs_within_every_phase():
+    for phase_of in (phase_8bit_a, phase_4bit_a):
+        phases: dict = {}
+        for s in range(32):
+            phases.setdefault(phase_of(s), []).append(BANK_GROUP[s])
+        assert len(phases) == 4 and all(sorted(g) == list(range(8)) for g in phases.values())
+
+
+@pytest.mark.parametrize("m, k, v, sparsity, bound", [(1024, 4096, 8, 0.9, 1.35), (512, 1024, 4, 0.95, 1.65),
+                                                      (256, 2048, 2, 0.7, 1.25)])
+def test_bank_order_permutes_each_row_and_spreads_the_banks(m, k, v, sparsity, bound):
+    mask = random_vector_mask(m, k, v, sparsity, seed=5)
+    banked, ascending = SRBCRS.from_mask(mask), SRBCRS.from_mask(mask, bank_order=False)
+    assert torch.equal(banked.row_ptr, ascending.row_ptr) and torch.equal(banked.row_order, ascending.row_order)
+    for s, e in zip(ascending.row_ptr[0::2].tolist(), ascending.row_ptr[1::2].tolist()):
+        assert torch.equal(banked.col_idx[s:e].sort().values, ascending.col_idx[s:e])
+    assert torch.equal(banked.col_idx == -1, ascending.col_idx == -1)
+    for phase_of in (phase_8bit_a, phase_4bit_a):
+        assert phase_repeats(banked, phase_of) <= bound < phase_repeats(ascending, phase_of)
+
+
+def test_bank_order_is_conflict_free_where_every_group_fills_its_asks():
+    # 64 columns, 8 of each group: every slot gets the group it asks for
+    p = SRBCRS.from_mask(VectorMask(torch.ones(2, 64, dtype=torch.bool), 2))
+    assert [c % 8 for c in p.col_idx[:32].tolist()] == list(BANK_GROUP)
+    assert phase_repeats(p, phase_8bit_a) == phase_repeats(p, phase_4bit_a) == 1
 
 
 def test_random_mask_keeps_the_same_count_in_every_row_and_is_seeded():
