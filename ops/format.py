@@ -30,7 +30,7 @@ INT4_SHUFFLE = (0, 4, 1, 5, 2, 6, 3, 7)
 # of one phase in one bank group are read one after another. BANK_GROUP[s] is the group that slot s
 # of a 32-slot block asks for. It differs among the 8 slots of every phase under both of the
 # kernel's slot-to-phase maps (8- and 16-bit A: a phase fixes bits 1 and 4 of s; 4-bit A: bits 0
-# and 2), so a row whose columns fill every group's asks reads each phase without a conflict.
+# and 2), so a block whose columns fill every group's asks reads each phase without a conflict.
 BANK_GROUP = tuple(((s ^ s >> 1) & 1) | ((s >> 2 ^ s >> 4) & 1) << 1 | (s >> 3 & 1) << 2 for s in range(32))
 
 
@@ -167,9 +167,10 @@ class SRBCRS:
     @classmethod
     def from_mask(cls, mask: VectorMask, stride: int = 32, shuffle: bool = False,
                   bank_order: bool = True) -> "SRBCRS":
-        """The pattern of `mask`. Each vector row's kept columns go in bank order (BANK_GROUP,
-        _bank_order), or ascending with bank_order=False; shuffle then applies INT4_SHUFFLE inside
-        every group of 8 slots (the paper's int4 layout; the kernels do not need it)."""
+        """The pattern of `mask`. Each vector row's kept columns go ascending, then permuted inside
+        each 32-slot block into bank order (BANK_GROUP, _bank_order) unless bank_order=False;
+        shuffle then applies INT4_SHUFFLE inside every group of 8 slots (the paper's int4 layout;
+        the kernels do not need it)."""
         if not isinstance(mask, VectorMask):
             raise TypeError(f"mask: expected a VectorMask, got {type(mask).__name__}")
         if stride not in STRIDES:
@@ -243,14 +244,20 @@ class SRBCRS:
 
 
 def _bank_order(col_idx: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """col_idx (kept columns ascending in each row) with each row's columns permuted so that slot s
-    holds a column in bank group BANK_GROUP[s % 32] wherever the row has one left.
+    """col_idx (kept columns ascending in each row) with the columns of each 32-slot block of a row
+    permuted so that slot s holds a column in bank group BANK_GROUP[s % 32] wherever the block has
+    one left.
 
-    Per row and group, the first min(asked, held) slots that ask for the group take the group's
+    Per block and group, the first min(asked, held) slots that ask for the group take the group's
     columns in ascending order; the slots left over take the columns left over, their groups
     interleaved (a group's first spare column, then every group's second, ...), so that a phase
-    that must repeat a group repeats it as few times as the row allows. On random rows at density
-    0.1 a phase reads 1.25 rows of its most-read group on average, ascending columns 2.5."""
+    that must repeat a group repeats it as few times as the block allows. On random rows at
+    density 0.1 a phase reads 1.9 rows of its most-read group on average, ascending columns 2.5.
+    Each block keeps the columns it holds in ascending order, so the kernels that gather a block's
+    rows (SpMM's gather kernel, the fused attention) read the same rows block by block; across a
+    whole row the groups balance better (1.25) and the resident kernel ran faster still, but a
+    block's columns then spread over four times the range of K (kernel_checks.md,
+    sixty-seventh round)."""
     rows, n = counts.numel(), int(counts.sum())
     if n == 0:
         return col_idx
@@ -258,16 +265,19 @@ def _bank_order(col_idx: torch.Tensor, starts: torch.Tensor, counts: torch.Tenso
     local = torch.arange(n) - (torch.cumsum(counts, 0) - counts)[row]
     pos = starts[row] + local
     col = col_idx[pos]
-    asked = row * 8 + torch.tensor(BANK_GROUP)[local % 32]
-    held = row * 8 + col % 8
-    matched = torch.minimum(torch.bincount(asked, minlength=8 * rows), torch.bincount(held, minlength=8 * rows))
+    row_blocks = (counts + 31) // 32
+    block = (torch.cumsum(row_blocks, 0) - row_blocks)[row] + local // 32
+    keys = 8 * int(row_blocks.sum())
+    asked = block * 8 + torch.tensor(BANK_GROUP)[local % 32]
+    held = block * 8 + col % 8
+    matched = torch.minimum(torch.bincount(asked, minlength=keys), torch.bincount(held, minlength=keys))
 
     def by_group(key):
         """Indices sorted by key (stable), and each index's rank among those of its key."""
         order = torch.sort(key, stable=True).indices
-        first = torch.cumsum(torch.bincount(key, minlength=8 * rows), 0) - torch.bincount(key, minlength=8 * rows)
+        count = torch.bincount(key, minlength=keys)
         rank = torch.empty_like(key)
-        rank[order] = torch.arange(n) - first[key[order]]
+        rank[order] = torch.arange(n) - (torch.cumsum(count, 0) - count)[key[order]]
         return order, rank
 
     slot_order, slot_rank = by_group(asked)
@@ -275,9 +285,9 @@ def _bank_order(col_idx: torch.Tensor, starts: torch.Tensor, counts: torch.Tenso
     out = col_idx.clone()
     slot_fits, col_fits = slot_rank < matched[asked], col_rank < matched[held]
     out[pos[slot_order[slot_fits[slot_order]]]] = col[col_order[col_fits[col_order]]]
-    # the spare columns of each row, spare index first and group second; the open slots in slot order
+    # the spare columns of each block, spare index first and group second; the open slots in slot order
     spare = (~col_fits).nonzero().flatten()
-    spare = spare[torch.sort((row[spare] * n + col_rank[spare] - matched[held[spare]]) * 8 + held[spare] % 8,
+    spare = spare[torch.sort((block[spare] * 32 + col_rank[spare] - matched[held[spare]]) * 8 + held[spare] % 8,
                              stable=True).indices]
     out[pos[~slot_fits]] = col[spare]
     return out
