@@ -270,18 +270,18 @@ def _bank_order(col_idx: torch.Tensor, starts: torch.Tensor, counts: torch.Tenso
     keys = 8 * int(row_blocks.sum())
     asked = block * 8 + torch.tensor(BANK_GROUP)[local % 32]
     held = block * 8 + col % 8
-    matched = torch.minimum(torch.bincount(asked, minlength=keys), torch.bincount(held, minlength=keys))
 
     def by_group(key):
-        """Indices sorted by key (stable), and each index's rank among those of its key."""
+        """Indices sorted by key (stable), each index's rank among those of its key, and each key's count."""
         order = torch.sort(key, stable=True).indices
         count = torch.bincount(key, minlength=keys)
         rank = torch.empty_like(key)
         rank[order] = torch.arange(n) - (torch.cumsum(count, 0) - count)[key[order]]
-        return order, rank
+        return order, rank, count
 
-    slot_order, slot_rank = by_group(asked)
-    col_order, col_rank = by_group(held)
+    slot_order, slot_rank, asks = by_group(asked)
+    col_order, col_rank, holds = by_group(held)
+    matched = torch.minimum(asks, holds)
     out = col_idx.clone()
     slot_fits, col_fits = slot_rank < matched[asked], col_rank < matched[held]
     out[pos[slot_order[slot_fits[slot_order]]]] = col[col_order[col_fits[col_order]]]
