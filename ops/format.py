@@ -32,6 +32,10 @@ INT4_SHUFFLE = (0, 4, 1, 5, 2, 6, 3, 7)
 # kernel's slot-to-phase maps (8- and 16-bit A: a phase fixes bits 1 and 4 of s; 4-bit A: bits 0
 # and 2), so a block whose columns fill every group's asks reads each phase without a conflict.
 BANK_GROUP = tuple(((s ^ s >> 1) & 1) | ((s >> 2 ^ s >> 4) & 1) << 1 | (s >> 3 & 1) << 2 for s in range(32))
+_GROUP = torch.tensor(BANK_GROUP)
+# slot s's rank among the slots of its block that ask for its group; the asks of a block of c slots
+_SLOT_RANK = torch.tensor([BANK_GROUP[:s].count(g) for s, g in enumerate(BANK_GROUP)])
+_BLOCK_ASKS = torch.stack([torch.bincount(_GROUP[:c], minlength=9) for c in range(33)])
 
 
 def _check_vector_length(v: int) -> None:
@@ -191,7 +195,7 @@ class SRBCRS:
         slot = starts[row_of] + torch.arange(row_of.numel()) - first[row_of]
         col_idx[slot] = col_of
         if bank_order:
-            col_idx = _bank_order(col_idx, starts, counts)
+            col_idx = _bank_order(col_idx, counts)
         if shuffle:
             col_idx = col_idx[_shuffle_permutation(nnz_pad)]
         row_order = torch.sort(padded, descending=True, stable=True).indices
@@ -243,9 +247,9 @@ class SRBCRS:
         return out
 
 
-def _bank_order(col_idx: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """col_idx (kept columns ascending in each row) with the columns of each 32-slot block of a row
-    permuted so that slot s holds a column in bank group BANK_GROUP[s % 32] wherever the block has
+def _bank_order(col_idx: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """col_idx (each row's `counts` kept columns ascending, the rows in order, padding -1) with the
+    columns of each 32-slot block of a row permuted so that slot s holds a column in bank group BANK_GROUP[s % 32] wherever the block has
     one left.
 
     Per block and group, the first min(asked, held) slots that ask for the group take the group's
@@ -258,39 +262,32 @@ def _bank_order(col_idx: torch.Tensor, starts: torch.Tensor, counts: torch.Tenso
     whole row the groups balance better (1.25) and the resident kernel ran faster still, but a
     block's columns then spread over four times the range of K (kernel_checks.md,
     sixty-seventh round)."""
-    rows, n = counts.numel(), int(counts.sum())
-    if n == 0:
+    if not int(counts.sum()):
         return col_idx
-    row = torch.repeat_interleave(torch.arange(rows), counts)
-    local = torch.arange(n) - (torch.cumsum(counts, 0) - counts)[row]
-    pos = starts[row] + local
-    col = col_idx[pos]
+    # the rows' 32-slot blocks as rows of a [blocks, 32] table, the slots past a block's size empty
     row_blocks = (counts + 31) // 32
-    block = (torch.cumsum(row_blocks, 0) - row_blocks)[row] + local // 32
-    keys = 8 * int(row_blocks.sum())
-    asked = block * 8 + torch.tensor(BANK_GROUP)[local % 32]
-    held = block * 8 + col % 8
-
-    def by_group(key):
-        """Indices sorted by key (stable), each index's rank among those of its key, and each key's count."""
-        order = torch.sort(key, stable=True).indices
-        count = torch.bincount(key, minlength=keys)
-        rank = torch.empty_like(key)
-        rank[order] = torch.arange(n) - (torch.cumsum(count, 0) - count)[key[order]]
-        return order, rank, count
-
-    slot_order, slot_rank, asks = by_group(asked)
-    col_order, col_rank, holds = by_group(held)
-    matched = torch.minimum(asks, holds)
-    out = col_idx.clone()
-    slot_fits, col_fits = slot_rank < matched[asked], col_rank < matched[held]
-    out[pos[slot_order[slot_fits[slot_order]]]] = col[col_order[col_fits[col_order]]]
-    # the spare columns of each block, spare index first and group second; the open slots in slot order
-    spare = (~col_fits).nonzero().flatten()
-    spare = spare[torch.sort((block[spare] * 32 + col_rank[spare] - matched[held[spare]]) * 8 + held[spare] % 8,
-                             stable=True).indices]
-    out[pos[~slot_fits]] = col[spare]
-    return out
+    row = torch.repeat_interleave(torch.arange(counts.numel()), row_blocks)
+    local = 32 * (torch.arange(row.numel()) - (torch.cumsum(row_blocks, 0) - row_blocks)[row])
+    size = torch.clamp(counts[row] - local, max=32)
+    slot = torch.arange(32)
+    valid = slot < size[:, None]
+    kept = col_idx >= 0  # the rows' kept slots in order: the table's valid slots, row-major
+    col = torch.full(valid.shape, -1, dtype=col_idx.dtype).masked_scatter_(valid, col_idx[kept])
+    group = torch.where(valid, col % 8, 8)  # group 8: no column
+    by_group = torch.sort(group, dim=1, stable=True)
+    holds = torch.zeros(valid.shape[0], 9, dtype=torch.int64).scatter_add_(1, group, torch.ones_like(group))
+    first = torch.cumsum(holds, 1) - holds  # where each group starts in by_group
+    col_rank = torch.empty_like(group).scatter_(1, by_group.indices, slot - first.gather(1, by_group.values))
+    matched = torch.minimum(_BLOCK_ASKS[size], holds)
+    slot_fits = valid & (_SLOT_RANK < matched[:, _GROUP])
+    fitted = col.gather(1, by_group.indices).gather(1, (first[:, _GROUP] + _SLOT_RANK).clamp(max=31))
+    # the spare columns, spare index first and group second, into the open slots in slot order
+    spare_rank = col_rank - matched.gather(1, group)
+    spare_key = torch.where(valid & (spare_rank >= 0), spare_rank * 8 + group, 1 << 20)
+    spares = col.gather(1, torch.sort(spare_key, dim=1).indices)
+    open_slots = torch.sort(torch.where(valid & ~slot_fits, slot, 32), dim=1).indices
+    spread = torch.empty_like(col).scatter_(1, open_slots, spares)
+    return col_idx.masked_scatter(kept, torch.where(slot_fits, fitted, spread)[valid])
 
 
 def _shuffle_permutation(n: int) -> torch.Tensor:
