@@ -101,6 +101,36 @@ def test_bank_order_is_conflict_free_where_every_group_fills_its_asks():
     assert phase_repeats(p, phase_8bit_a) == phase_repeats(p, phase_4bit_a) == 1
 
 
+def bank_order_of_block(cols: list[int]) -> list[int]:
+    """_bank_order's rule for one block, slot by slot: each group's asking slots, in slot order, take
+    its columns ascending while both last; the spare columns (each group's leftovers ascending, then
+    by spare index and group) fill the open slots in slot order."""
+    out: list = [None] * len(cols)
+    spare = []
+    for g in range(8):
+        held = [c for c in cols if c % 8 == g]
+        asking = [s for s in range(len(cols)) if BANK_GROUP[s] == g]
+        for s, c in zip(asking, held):
+            out[s] = c
+        spare += [(i, g, c) for i, c in enumerate(held[len(asking):])]
+    for s, (_, _, c) in zip([s for s, c in enumerate(out) if c is None], sorted(spare)):
+        out[s] = c
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 6), k=st.integers(1, 300), v=st.sampled_from([2, 4, 8]),
+       stride=st.sampled_from([8, 16, 32, 64]), sparsity=st.floats(0, 1), seed=st.integers(0, 2**16))
+def test_bank_order_follows_its_rule_block_by_block(rows, k, v, stride, sparsity, seed):
+    mask = awkward_mask(rows * v, k, v, sparsity, seed)
+    banked, ascending = SRBCRS.from_mask(mask, stride=stride), SRBCRS.from_mask(mask, stride=stride, bank_order=False)
+    for start, end in banked.row_ptr.view(-1, 2).tolist():
+        for b in range(start, end, 32):
+            block = ascending.col_idx[b:min(b + 32, end)].tolist()
+            assert banked.col_idx[b:min(b + 32, end)].tolist() == bank_order_of_block(block)
+    assert torch.equal(banked.col_idx[banked.col_idx < 0], ascending.col_idx[ascending.col_idx < 0])
+
+
 def test_random_mask_keeps_the_same_count_in_every_row_and_is_seeded():
     a = random_vector_mask(64, 100, 8, 0.9, seed=3)
     assert a.mask.shape == (8, 100)
