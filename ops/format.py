@@ -249,8 +249,8 @@ class SRBCRS:
 
 def _bank_order(col_idx: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """col_idx (each row's `counts` kept columns ascending, the rows in order, padding -1) with the
-    columns of each 32-slot block of a row permuted so that slot s holds a column in bank group BANK_GROUP[s % 32] wherever the block has
-    one left.
+    columns of each 32-slot block of a row permuted so that slot s holds a column in bank group
+    BANK_GROUP[s % 32] wherever the block has one left.
 
     Per block and group, the first min(asked, held) slots that ask for the group take the group's
     columns in ascending order; the slots left over take the columns left over, their groups
