@@ -33,9 +33,10 @@ INT4_SHUFFLE = (0, 4, 1, 5, 2, 6, 3, 7)
 # and 2), so a block whose columns fill every group's asks reads each phase without a conflict.
 BANK_GROUP = tuple(((s ^ s >> 1) & 1) | ((s >> 2 ^ s >> 4) & 1) << 1 | (s >> 3 & 1) << 2 for s in range(32))
 _GROUP = torch.tensor(BANK_GROUP)
-# slot s's rank among the slots of its block that ask for its group; the asks of a block of c slots
-_SLOT_RANK = torch.tensor([BANK_GROUP[:s].count(g) for s, g in enumerate(BANK_GROUP)])
-_BLOCK_ASKS = torch.stack([torch.bincount(_GROUP[:c], minlength=9) for c in range(33)])
+# how often a block of c slots asks for each group (column 8: empty slots, never asked for), and so
+# slot s's rank among the slots of its block that ask for its group
+_BLOCK_ASKS = torch.cat([torch.zeros(1, 9, dtype=torch.int64), torch.nn.functional.one_hot(_GROUP, 9).cumsum(0)])
+_SLOT_RANK = _BLOCK_ASKS[torch.arange(32), _GROUP]
 
 
 def _check_vector_length(v: int) -> None:
