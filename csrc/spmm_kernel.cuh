@@ -14,9 +14,7 @@
 // P x V with N = head dim, and is described there. The host picks one (csrc/spmm.cu).
 //
 // Gather kernel: one CTA = one vector row x a kTileBytes-wide slice of B's rows; 4 warps split
-// the slice. (Twice the warps, two groups of 4 taking a row's even and odd blocks with a ring each
-// and their sums added at the end, took 1.32x the time over 44 H200 cells: kernel_checks.md,
-// sixty-ninth round.) Per 32-slot block, the 32 gathered dense rows go to shared memory through a 4-stage
+// the slice. Per 32-slot block, the 32 gathered dense rows go to shared memory through a 4-stage
 // cp.async pipeline. The gather is the limiter: every kept vector re-reads a whole row slice of B
 // from L2 (measured on an H200: ~7-8 TB/s effective at large problems; latency-bound when the grid
 // is small), so the pipeline keeps three blocks in flight per CTA with several CTAs per SM, and the
@@ -29,7 +27,9 @@
 // reads and the cp.async writes are bank-conflict free. Because the MMA's k order is free as long
 // as both operands agree, the sparse fragment is loaded in whatever order its container makes
 // cheapest (no int4 column shuffle is needed; the kernel works on shuffled and unshuffled
-// patterns alike).
+// patterns alike). A row runs on one group of 4 warps: two groups taking its even and odd blocks,
+// a ring each, their sums added at the end, took 1.32x the time over 44 H200 cells
+// (kernel_checks.md, sixty-ninth round).
 //
 // Wide operands: 16-bit values are two byte planes, x = hi * 256 + lo (hi signed, or unsigned for
 // u16; lo unsigned), multiplied plane by plane with mixed-signedness MMAs and recombined with
@@ -987,13 +987,14 @@ constexpr int kResidentSliceBytes = 32;  // two 16-byte chunks: 32 columns of 8-
 // zero row that dead slots read. One ldmatrix phase reads one chunk of 8 gathered rows, 16 bytes
 // apart, so rows of distinct r % 8 never share a bank, and a block's second chunk lies a fixed
 // stride past its first. (Row-major 32-byte rows needed a swizzle for the banks, whose address
-// arithmetic took 6 instructions a block where this takes 2.) The slice loads by cp.async, 16 bytes
-// a thread: its time is set by the 128-byte lines L1 handles, one a cycle (a row's 32 bytes lie in
-// one line; at N 128 and 256 a warp's copies touch 16 lines), not by bytes. Hopper's other paths
-// were slower (H200): the TMA, in boxes one 16-byte chunk wide, 1.04-2.15x the kernel's time;
-// multicast to a cluster's CTAs of one slice 1.02-2.46x; each CTA of a pair loading half the lines
-// and sending them to the other by a bulk copy into its shared memory 1.00-1.33x
-// (kernel_checks.md, sixty-ninth round).
+// arithmetic took 6 instructions a block where this takes 2.)
+//
+// The slice loads by cp.async, 16 bytes a thread. Its time is set by the 128-byte lines L1
+// handles, one a cycle, not by bytes: a row's 32 bytes lie in one line, and on rows of 128 bytes
+// or more a warp's copies touch 16 lines. Hopper's other paths were slower (H200): the TMA, in
+// boxes one 16-byte chunk wide, 1.04-2.15x the kernel's time; multicast to a cluster's CTAs of one
+// slice 1.02-2.46x; each CTA of a pair loading half the lines and sending them to the other by a
+// bulk copy into its shared memory 1.00-1.33x (kernel_checks.md, sixty-ninth round).
 
 // Position in row_order of entry q of the order that lists the round robin's rows warp by warp
 // (described in spmm_resident_kernel).
