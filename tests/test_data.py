@@ -1,14 +1,10 @@
 """Data pipelines: byte-level IMDB from the real archive, ListOps generation, TSVs and tokens."""
 import tarfile
-from pathlib import Path
 
 import pytest
 
 from conftest import imdb_source
 from magicube.train import data, imdb, listops
-
-REPO = Path(__file__).resolve().parents[1]
-
 
 IMDB = imdb_source()
 needs_imdb = pytest.mark.skipif(IMDB is None, reason="aclImdb_v1.tar.gz not found (set MAGICUBE_IMDB)")

@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from magicube import ops
-from magicube.model import fakequant
 from magicube.model.lra import QUANTIZED, LRAClassifier, LRAConfig
 from magicube.model.masks import layer_mask, structured_vector_mask
 
