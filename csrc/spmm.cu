@@ -67,13 +67,13 @@ Choice kernel_choice() {
 // kernel resident during the gathers took the L1 that cp.async.ca reuses (4-bit B up to 35 %
 // slower).
 template <int AB, bool AS, int BB, bool FAST, int TB = magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes,
-          int STACK = 0, bool MERGE = false>
+          int STACK = 0, bool MERGE = false, bool PAIRS = false>
 void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, int64_t smem = 0) {
   const int64_t tiles = (p.row_bytes + TB - 1) / TB;
   MAGICUBE_CHECK(tiles <= 65535 && vrows <= INT32_MAX, "spmm: N or M too large");
   const dim3 grid(static_cast<unsigned>(MERGE ? vrows / 4 : vrows), static_cast<unsigned>(tiles),
                   static_cast<unsigned>(bh));
-  constexpr auto kernel = magicube::spmm_detail::spmm_kernel<AB, AS, BB, FAST, TB, STACK, MERGE>;
+  constexpr auto kernel = magicube::spmm_detail::spmm_kernel<AB, AS, BB, FAST, TB, STACK, MERGE, PAIRS>;
   // Where one wave holds every CTA, the rows' order (longest first, for the tail of a longer grid)
   // buys nothing, and reading it put a round trip to L2 before each CTA's first read of the
   // pattern: there CTA i takes vector row i (row_order null).
@@ -193,6 +193,12 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
       if (p.v == 4 && can_stack(a_bits, AS, 4) && (forced || (open && (ctas >= 10 * sms || fewer_waves()))))
         return launch_tiles<AB, AS, BB, true, TB, 4>(p, vrows, bh, stream);
     }
+  }
+  if constexpr (AB == 8 && BB == 8 && TB == sd::kNarrowTileBytes) {
+    constexpr auto paired = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false, true>;
+    const int64_t ctas = vrows * ((p.row_bytes + TB - 1) / TB) * bh;
+    if (nnz_pad >= 2 * kSlots * vrows && ctas <= magicube::wave_ctas<paired>(kThreads, 0))
+      return launch_tiles<AB, AS, BB, true, TB, 0, false, true>(p, vrows, bh, stream);
   }
   launch_tiles<AB, AS, BB, true, TB>(p, vrows, bh, stream);
 }

@@ -70,6 +70,7 @@ constexpr int kNarrowTileBytes = kWideTileBytes / 2;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kStages = 4;
+constexpr int kPairedColBlocks = 64;  // 8 KB of indices
 constexpr int kFlushBlocks = 512;
 
 struct Params {
@@ -741,17 +742,26 @@ struct MergedRows {
 
 // MERGE: the CTA takes V 2 rows 4x .. 4x + 3 (x = blockIdx.x) as one V 8 row (MergedRows), window
 // by window, and reads the sparse values from shared memory, not through the pipeline.
-template <int AB, bool AS, int BB, bool FAST, int TB, int STACK, bool MERGE>
+//
+// PAIRS: the main loop takes two blocks a step (one wait and one barrier for both, and the two
+// blocks' shared-memory reads and products back to back), the ring holds three pairs, and the
+// column indices of the row's first kPairedColBlocks blocks are copied to shared memory before
+// the first gather, so no step waits on a global load of indices (launch_fast says where it runs).
+template <int AB, bool AS, int BB, bool FAST, int TB, int STACK, bool MERGE, bool PAIRS = false>
 __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   using K = Kind<AB, AS, BB, TB, STACK>;
   static_assert(!MERGE || (FAST && STACK == 0 && !K::kFp16), "rows merge in the fast integer kernel");
+  static_assert(!PAIRS || (FAST && !MERGE && !K::kFp16 && TB == kNarrowTileBytes),
+                "paired steps are for the fast integer kernel's narrow tile");
   constexpr int kTileBytes = K::kTileBytes;
   constexpr int kChunks = K::kChunks;
   constexpr int kCopyRows = K::kCopyRows;
   constexpr int kDenseStage = kSlots * kTileBytes;
   constexpr int kSparseStage = 8 * K::kSparseRowBytes;
   constexpr int kStageBytes = kDenseStage + kSparseStage;
-  __shared__ __align__(128) uint8_t smem[kStages * kStageBytes];
+  constexpr int kRing = PAIRS ? 6 : kStages;
+  constexpr int kColBytes = PAIRS ? kPairedColBlocks * kSlots * 4 : 0;
+  __shared__ __align__(128) uint8_t smem[kRing * kStageBytes + kColBytes];
   extern __shared__ __align__(16) uint8_t merged[];
 
   await_inputs();
@@ -802,7 +812,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   if constexpr (BB == 4) b_chunk = pinned(b_chunk);
   const uint32_t k_live = chunk_in ? static_cast<uint32_t>(p.k) : 0u;
   auto issue = [&](int blk, const int (&c)[kCopyRows]) {
-    const uint32_t stage = smem0 + (blk % kStages) * kStageBytes;
+    const uint32_t stage = smem0 + (blk % kRing) * kStageBytes;
 #pragma unroll
     for (int q = 0; q < kCopyRows; ++q) {
       const bool live = static_cast<uint32_t>(c[q]) < k_live;
@@ -844,7 +854,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   const int wchunk0 = warp * K::kWarpChunks;
 
   auto compute = [&](int blk) {
-    const uint32_t stage = smem0 + (blk % kStages) * kStageBytes;
+    const uint32_t stage = smem0 + (blk % kRing) * kStageBytes;
     const uint32_t sparse0 = MERGE ? smem_addr(merged) + blk * kSparseStage : stage + kDenseStage;
     const bool row_live = g < v;
     if constexpr (K::kFp16) {
@@ -904,6 +914,48 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
       }
     }
   };
+
+  if constexpr (PAIRS) {
+    // Pairs it/2 + 1 and it/2 + 2 are in flight while pair it/2 is computed; a pair's slots are
+    // refilled one step after it was computed, past the barrier that every warp has then crossed.
+    const uint32_t col_smem = smem0 + kRing * kStageBytes;
+    const int staged = min(nblocks, kPairedColBlocks) * kSlots;
+    for (int i = 4 * tid; i < staged; i += 4 * kThreads) cp_async16(col_smem + 4 * i, cols + i, 16);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    auto issue_at = [&](int blk) {
+      int c[kCopyRows];
+#pragma unroll
+      for (int q = 0; q < kCopyRows; ++q) {
+        const int slot = blk * kSlots + cslot + kSlotStep * q;
+        c[q] = blk < kPairedColBlocks ? static_cast<int>(ld_shared_b32(col_smem + 4 * slot)) : cols[slot];
+      }
+      issue(blk, c);
+    };
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      if (s < nblocks) issue_at(s);
+      if (s & 1) cp_async_commit();
+    }
+    int since_fold = 0;
+    for (int it = 0; it < nblocks; it += 2) {
+      cp_async_wait<1>();
+      __syncthreads();
+      if (it + 4 < nblocks) issue_at(it + 4);
+      if (it + 5 < nblocks) issue_at(it + 5);
+      cp_async_commit();
+      compute(it);
+      r.multiplied(1, since_fold);
+      if (it + 1 < nblocks) {
+        compute(it + 1);
+        r.multiplied(1, since_fold);
+      }
+    }
+    allow_next_launch();
+    write_vector_row(p, r, bh, vrow, p.v, blockIdx.y * K::kTileCols + wchunk0 * K::kColsPerChunk, nblocks);
+    return;
+  }
 
   // Pipeline: blocks it+1 .. it+kStages-1 are in flight while block it is computed. The column
   // indices of the next kColsAhead blocks to issue are in registers, each loaded kColsAhead steps

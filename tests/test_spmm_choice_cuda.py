@@ -79,12 +79,13 @@ def _kernels_run(*shape, call=None):
 
 def _gather_instance(*shape):
     """The template arguments of the one gather kernel that a call launched (_problem's
-    arguments): AB, AS, BB, FAST, TB, STACK, MERGE."""
+    arguments), by name: AB, AS, BB, FAST, TB, STACK, MERGE, PAIRS."""
     names = _kernels_run(*shape)
     gathers = [name for name in names if WAY_KERNELS["gather"] in name]
     others = [name for name in names for way in ("resident", "dense") if WAY_KERNELS[way] in name]
     assert len(gathers) == 1 and not others, names
-    return gathers[0].split(WAY_KERNELS["gather"])[1].split(">")[0].split(", ")
+    args = gathers[0].split(WAY_KERNELS["gather"])[1].split(">")[0].split(", ")
+    return dict(zip(("AB", "AS", "BB", "FAST", "TB", "STACK", "MERGE", "PAIRS"), args, strict=True))
 
 
 def _ways_run(*shape, call=None):
@@ -269,8 +270,8 @@ def test_stacked_planes(kernels, monkeypatch, case):
     case names."""
     *shape, way, stack = case
     monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", way)
-    *_, stacked, merged = _gather_instance(*shape)
-    assert (stacked, merged) == (str(stack), "false")
+    instance = _gather_instance(*shape)
+    assert (instance["STACK"], instance["MERGE"]) == (str(stack), "false")
 
 
 # The resident-B kernel's CTAs: 16 warps, or 4 (four an SM) where one wave of 16-warp CTAs would give
@@ -326,8 +327,35 @@ def test_merged_rows(kernels, monkeypatch, case):
     planes not stacked) where the case says."""
     *shape, way, merged = case
     monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", way)
-    *_, stacked, merge = _gather_instance(*shape)
-    assert merge == str(merged).lower() and (stacked == "0" or not merged)
+    instance = _gather_instance(*shape)
+    assert instance["MERGE"] == str(merged).lower() and (instance["STACK"] == "0" or not merged)
+
+
+# (a_bits, b_bits, V, sparsity, M = K, N[, A signed], whether the gather kernel takes two blocks a
+# step): 8-bit A and B on the narrow tile (rows of at most 128 bytes), where one wave of the paired
+# kernel holds the grid (256 CTAs here, within one wave on any GPU of 64 SMs or more) and rows
+# average two blocks or more; not past one wave (2048 CTAs), on rows of one block, on the wide
+# tile, nor with other widths.
+PAIR_CASES = {
+    "L8-R8": (8, 8, 8, 0.9, 2048, 128, True),
+    "L8u-R8-n64": (8, 8, 8, 0.9, 2048, 64, False, True),
+    "L8-R8-past-one-wave": (8, 8, 2, 0.9, 4096, 128, False),
+    "L8-R8-rows-of-one-block": (8, 8, 8, 0.98, 1024, 128, False),
+    "L8-R8-wide-tile": (8, 8, 8, 0.9, 2048, 256, False),
+    "L8-R4": (8, 4, 8, 0.9, 2048, 256, False),
+    "L16-R8": (16, 8, 8, 0.9, 2048, 128, False),
+}
+
+
+@pytest.mark.parametrize("case", PAIR_CASES.values(), ids=PAIR_CASES.keys())
+def test_paired_steps(kernels, monkeypatch, case):
+    """The gather kernel runs exactly, taking two blocks a step (its last template argument, PAIRS)
+    where the case says."""
+    *shape, paired = case
+    monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", "gather")
+    call, reference = _problem(*shape)
+    assert torch.equal(call(), reference)
+    assert _gather_instance(*shape)["PAIRS"] == str(paired).lower()
 
 
 # (a_bits, b_bits, V, sparsity, M = K, N, the ways the tuned choice may take): cells where the
