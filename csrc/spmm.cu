@@ -194,6 +194,14 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
         return launch_tiles<AB, AS, BB, true, TB, 4>(p, vrows, bh, stream);
     }
   }
+  // 8-bit A and B on the narrow tile take two blocks a step (spmm_kernel's PAIRS) where one wave
+  // of that kernel holds the grid and rows average two blocks or more. H200, gather kernel forced,
+  // the two forms in one process, interleaved medians: 0.82-0.96x the time on such grids (M = K
+  // 1024-4096, V 2 and 8, sparsity 0.7-0.98, N 32-128; the target's mask at N 128 6.46 -> 5.82
+  // us), but 0.98-1.16x past one wave (M = K 2048 and 4096 at V 2), 1.04x on rows of one block,
+  // and with the other widths 0.91-1.07x (8-bit A x 4-bit B), 1.00-1.09x (16-bit A x 8-bit B),
+  // 1.03x (4-bit A and B); in the whole sweep, L8-R8's 45 cells of N 128 in one wave with rows of
+  // two blocks or more took 0.915x the time (0.83-1.02x; kernel_checks.md, seventieth round).
   if constexpr (AB == 8 && BB == 8 && TB == sd::kNarrowTileBytes) {
     constexpr auto paired = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false, true>;
     const int64_t ctas = vrows * ((p.row_bytes + TB - 1) / TB) * bh;

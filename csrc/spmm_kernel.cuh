@@ -13,22 +13,23 @@
 // (spmm_resident_kernel, at the end of this file) suits narrow B, as the attention pipeline's
 // P x V with N = head dim, and is described there. The host picks one (csrc/spmm.cu).
 //
-// Gather kernel: one CTA = one vector row x a kTileBytes-wide slice of B's rows; 4 warps split
-// the slice. Per 32-slot block, the 32 gathered dense rows go to shared memory through a 4-stage
+// Gather kernel: one CTA = one vector row x a kTileBytes-wide slice of B's rows; 4 warps split the
+// slice. Per 32-slot block, the 32 gathered dense rows go to shared memory through a 4-stage
 // cp.async pipeline. The gather is the limiter: every kept vector re-reads a whole row slice of B
 // from L2 (measured on an H200: ~7-8 TB/s effective at large problems; latency-bound when the grid
 // is small), so the pipeline keeps three blocks in flight per CTA with several CTAs per SM, and the
 // column indices of the next blocks are prefetched into registers one or two steps ahead
-// (Kind::kColsAhead) so the gather addresses seldom wait on a dependent load. The online
-// transpose of the gathered tile happens on the way out of shared memory: ldmatrix.trans
-// transposes byte pairs and one prmt per register finishes the 8-bit transpose (16-bit planes
-// fall out of the same prmt). Slots are placed in shared memory rows so that each ldmatrix 8x8
-// matrix reads 8 consecutive rows, and the 16-byte chunks are XOR-swizzled with the row so those
-// reads and the cp.async writes are bank-conflict free. Because the MMA's k order is free as long
-// as both operands agree, the sparse fragment is loaded in whatever order its container makes
-// cheapest (no int4 column shuffle is needed; the kernel works on shuffled and unshuffled
-// patterns alike). A row runs on one group of 4 warps: two groups taking its even and odd blocks,
-// a ring each, their sums added at the end, took 1.32x the time over 44 H200 cells
+// (Kind::kColsAhead) so the gather addresses seldom wait on a dependent load. On grids of one wave
+// a CTA's chain of steps sets the time, and 8-bit A and B's narrow tile there take two blocks a
+// step (PAIRS, below). The online transpose of the gathered tile happens on the way out of shared
+// memory: ldmatrix.trans transposes byte pairs and one prmt per register finishes the 8-bit
+// transpose (16-bit planes fall out of the same prmt). Slots are placed in shared memory rows so
+// that each ldmatrix 8x8 matrix reads 8 consecutive rows, and the 16-byte chunks are XOR-swizzled
+// with the row so those reads and the cp.async writes are bank-conflict free. Because the MMA's k
+// order is free as long as both operands agree, the sparse fragment is loaded in whatever order its
+// container makes cheapest (no int4 column shuffle is needed; the kernel works on shuffled and
+// unshuffled patterns alike). A row runs on one group of 4 warps: two groups taking its even and
+// odd blocks, a ring each, their sums added at the end, took 1.32x the time over 44 H200 cells
 // (kernel_checks.md, sixty-ninth round).
 //
 // Wide operands: 16-bit values are two byte planes, x = hi * 256 + lo (hi signed, or unsigned for
