@@ -651,7 +651,7 @@ double batched_dense(int64_t bh) { return bh >= 16 ? 1.3 : bh >= 8 ? 1.15 : 1.0;
 // The dense path's operands, where it runs; by_far: its estimate under kDenseByFar of the gather's.
 struct Dense {
   DenseShape shape;
-  at::Tensor col_idx, out;
+  at::Tensor out;
   bool by_far;
 };
 
@@ -676,12 +676,9 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
   // Pad rows past M stay unwritten: they reach only outputs that are not stored.
   at::Tensor a = at::empty({bh, d.a_planes * d.m_pad, d.k_pad}, bytes);
   at::Tensor bt = at::empty({bh, d.b_planes * d.n_pad, d.k_pad}, bytes);
-  // Columns are read four slots at a time (16 bytes).
-  const at::Tensor cols = magicube::aligned16(dense.col_idx);
-
   dn::ExpandParams ep;
   ep.row_ptr = p.row_ptr;
-  ep.col_idx = cols.data_ptr<int>();
+  ep.col_idx = p.col_idx;
   ep.a = p.a;
   ep.a_bh_bytes = p.a_bh_bytes;
   ep.a_out = a.data_ptr<int8_t>();
@@ -914,7 +911,9 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   at::Tensor out = at::empty({bh, m, n}, b.options().dtype(out_dtype));
   if (out.numel() == 0) return out;
 
-  const at::Tensor a_al = magicube::aligned16(a_values);
+  // The gather kernel's paired steps and the dense path's expansion copy the indices 16 bytes at a
+  // time.
+  const at::Tensor a_al = magicube::aligned16(a_values), cols_al = magicube::aligned16(col_idx);
   const int64_t row_bytes = b.size(2) * b.element_size();
   // Widest copy that every dense row start admits.
   const uintptr_t base = reinterpret_cast<uintptr_t>(b.data_ptr());
@@ -928,7 +927,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
 
   Params p;
   p.row_ptr = row_ptr.data_ptr<int>();
-  p.col_idx = col_idx.data_ptr<int>();
+  p.col_idx = cols_al.data_ptr<int>();
   p.row_order = row_order.data_ptr<int>();
   p.a = static_cast<const uint8_t*>(a_al.data_ptr());
   p.b = static_cast<const uint8_t*>(b.data_ptr());
@@ -964,10 +963,10 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
     const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits, bh, way == Choice::kDenseWgmma);
     std::optional<Dense> dense;
     if (d.applies() && forces_dense(way)) {
-      dense = Dense{d, col_idx, out, true};
+      dense = Dense{d, out, true};
     } else if (d.applies() && way == Choice::kAuto) {
       const double share = dense_share(d, p, b_bits, bh, nnz_pad);
-      if (share * batched_dense(bh) < 1.0) dense = Dense{d, col_idx, out, share < kDenseByFar};
+      if (share * batched_dense(bh) < 1.0) dense = Dense{d, out, share < kDenseByFar};
     }
     if (a_bits == 8 && b_bits == 8) {
       launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, fast, a_bits, a_signed, way, dense);

@@ -338,6 +338,36 @@ def test_global_rows(kernels, a_bits, b_bits, a_signed):
             assert torch.equal(got, want), f"BH {bh}, {name} order, longest_row={hint}: {(got != want).sum()} mismatches"
 
 
+def _off16(t: torch.Tensor) -> torch.Tensor:
+    """A CUDA copy of `t` that starts 4 bytes past a 16-byte boundary, as a slice of a larger
+    buffer would."""
+    pad = 4 // t.element_size()
+    buf = torch.zeros(t.numel() + pad, dtype=t.dtype, device="cuda")
+    view = buf[pad:].view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % 16 == 4
+    return view
+
+
+@pytest.mark.parametrize("a_bits, b_bits, a_signed", [(8, 8, True), (16, 8, False), (8, 4, True)],
+                         ids=["L8-R8", "L16u-R8", "L8-R4"])
+def test_pattern_views_off_16_bytes(kernels, a_bits, b_bits, a_signed):
+    """col_idx and the sparse values as views 4 bytes past a 16-byte boundary, which the kernels
+    that copy them 16 bytes at a time (the gather kernel's paired steps, here with 8-bit A and B:
+    rows of five blocks in one wave, N 64; the dense path's expansion; every kernel's sparse
+    values) take as aligned copies: exact."""
+    bh, rows, k, n, v = 2, 24, 500, 64, 8
+    g = torch.Generator().manual_seed(a_bits + b_bits)
+    p, emask = problem(bh, rows, k, v, 0.7, seed=3)
+    a_values, b = _inputs(p, emask, bh, k, n, a_bits, a_signed, b_bits, g)
+    want = torch.ops.magicube.spmm(p.row_ptr, p.col_idx, p.row_order, a_values, b, None, None, v, p.m, a_bits,
+                                   a_signed, b_bits, torch.int64)
+    cuda = p.to("cuda")
+    got = kernels.spmm(cuda.row_ptr, _off16(cuda.col_idx), cuda.row_order, _off16(a_values.cuda()), b.cuda(), None,
+                       None, v, p.m, a_bits, a_signed, b_bits, torch.int64, -1)
+    assert torch.equal(got.cpu(), want)
+
+
 @pytest.mark.parametrize("n", [37, 6])
 def test_fp16_kernel_odd_rows(kernels, n):
     """fp16 output rows that do not admit paired stores (odd N) and N % 4 == 2."""
