@@ -194,19 +194,17 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
         return launch_tiles<AB, AS, BB, true, TB, 4>(p, vrows, bh, stream);
     }
   }
-  // 8-bit A and B on the narrow tile take two blocks a step (spmm_kernel's PAIRS) where one wave
-  // of that kernel holds the grid and rows average two blocks or more. H200, gather kernel forced,
-  // the two forms in one process, interleaved medians: 0.82-0.96x the time on such grids (M = K
-  // 1024-4096, V 2 and 8, sparsity 0.7-0.98, N 32-128; the target's mask at N 128 6.46 -> 5.82
-  // us), but 0.98-1.16x past one wave (M = K 2048 and 4096 at V 2), 1.04x on rows of one block,
-  // and with the other widths 0.91-1.07x (8-bit A x 4-bit B), 1.00-1.09x (16-bit A x 8-bit B),
-  // 1.03x (4-bit A and B); in the whole sweep, L8-R8's 45 cells of N 128 in one wave with rows of
-  // two blocks or more took 0.915x the time (0.83-1.02x; kernel_checks.md, seventieth round).
-  if constexpr (AB == 8 && BB == 8 && TB == sd::kNarrowTileBytes) {
-    constexpr auto paired = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false, true>;
-    const int64_t ctas = vrows * ((p.row_bytes + TB - 1) / TB) * bh;
-    if (nnz_pad >= 2 * kSlots * vrows && ctas <= magicube::wave_ctas<paired>(kThreads, 0))
-      return launch_tiles<AB, AS, BB, true, TB, 0, false, true>(p, vrows, bh, stream);
+  // The integer kinds take two blocks a step (spmm_kernel's PAIRS) where rows average two blocks or
+  // more, except 4-bit B under 4- or 8-bit A. H200, gather kernel forced, the two forms in one
+  // process, interleaved medians over M = K 1024-4096, N 128-512, V 2 and 8, sparsity 0.7-0.98
+  // (54 cells a pair): L8-R8 0.965x the time on the geometric mean (0.86-1.03x; the target 8.98 ->
+  // 8.61 us), L16-R8 0.959x (0.90-1.04x), L16-R16 0.976x (0.93-1.07x, losing at sparsity 0.98 with
+  // V 2), L16-R4 0.962x (0.83-1.01x); L8-R4 0.974x but up to 1.14x with V 2, L4-R4 1.002x (up to
+  // 1.07x). A ring of three pairs, landed first for L8-R8's narrow tile on grids of one wave, took
+  // 0.99x this ring's time there, and past one wave up to 1.27x the one-block form's
+  // (kernel_checks.md, seventy-first round).
+  if constexpr (!sd::Kind<AB, AS, BB, TB>::kFp16 && (BB != 4 || AB == 16)) {
+    if (nnz_pad >= 2 * kSlots * vrows) return launch_tiles<AB, AS, BB, true, TB, 0, false, true>(p, vrows, bh, stream);
   }
   launch_tiles<AB, AS, BB, true, TB>(p, vrows, bh, stream);
 }

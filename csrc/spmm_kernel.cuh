@@ -17,20 +17,19 @@
 // slice. Per 32-slot block, the 32 gathered dense rows go to shared memory through a 4-stage
 // cp.async pipeline. The gather is the limiter: every kept vector re-reads a whole row slice of B
 // from L2 (measured on an H200: ~7-8 TB/s effective at large problems; latency-bound when the grid
-// is small), so the pipeline keeps three blocks in flight per CTA with several CTAs per SM, and the
-// column indices of the next blocks are prefetched into registers one or two steps ahead
-// (Kind::kColsAhead) so the gather addresses seldom wait on a dependent load. On grids of one wave
-// a CTA's chain of steps sets the time, and 8-bit A and B's narrow tile there take two blocks a
-// step (PAIRS, below). The online transpose of the gathered tile happens on the way out of shared
-// memory: ldmatrix.trans transposes byte pairs and one prmt per register finishes the 8-bit
-// transpose (16-bit planes fall out of the same prmt). Slots are placed in shared memory rows so
-// that each ldmatrix 8x8 matrix reads 8 consecutive rows, and the 16-byte chunks are XOR-swizzled
-// with the row so those reads and the cp.async writes are bank-conflict free. Because the MMA's k
-// order is free as long as both operands agree, the sparse fragment is loaded in whatever order its
-// container makes cheapest (no int4 column shuffle is needed; the kernel works on shuffled and
-// unshuffled patterns alike). A row runs on one group of 4 warps: two groups taking its even and
-// odd blocks, a ring each, their sums added at the end, took 1.32x the time over 44 H200 cells
-// (kernel_checks.md, sixty-ninth round).
+// is small), so the pipeline keeps three blocks in flight per CTA (a pair of two under PAIRS) with
+// several CTAs per SM, and the column indices of the next blocks are prefetched into registers one
+// or two steps ahead (Kind::kColsAhead) so the gather addresses seldom wait on a dependent load.
+// Where rows average two blocks or more, most integer kinds take two blocks a step (PAIRS, below).
+// The online transpose of the gathered tile happens on the way out of shared memory: ldmatrix.trans
+// transposes byte pairs and one prmt per register finishes the 8-bit transpose (16-bit planes fall
+// out of the same prmt). Slots are placed in shared memory rows so that each ldmatrix 8x8 matrix
+// reads 8 consecutive rows, and the 16-byte chunks are XOR-swizzled with the row so those reads and
+// the cp.async writes are bank-conflict free. Because the MMA's k order is free as long as both
+// operands agree, the sparse fragment is loaded in whatever order its container makes cheapest (no
+// int4 column shuffle is needed; the kernel works on shuffled and unshuffled patterns alike). A row
+// runs on one group of 4 warps: two groups taking its even and odd blocks, a ring each, their sums
+// added at the end, took 1.32x the time over 44 H200 cells (kernel_checks.md, sixty-ninth round).
 //
 // Wide operands: 16-bit values are two byte planes, x = hi * 256 + lo (hi signed, or unsigned for
 // u16; lo unsigned), multiplied plane by plane with mixed-signedness MMAs and recombined with
@@ -745,24 +744,23 @@ struct MergedRows {
 // by window, and reads the sparse values from shared memory, not through the pipeline.
 //
 // PAIRS: the main loop takes two blocks a step (one wait and one barrier for both, and the two
-// blocks' shared-memory reads and products back to back), the ring holds three pairs, and the
-// column indices of the row's first kPairedColBlocks blocks are copied to shared memory before
-// the first gather, so no step waits on a global load of indices (launch_fast says where it runs).
+// blocks' shared-memory reads and products back to back), the ring's kStages slots hold two pairs,
+// and the column indices of the row's first kPairedColBlocks blocks are copied to shared memory
+// before the first gather, so no step waits on a global load of indices (launch_fast says where it
+// runs).
 template <int AB, bool AS, int BB, bool FAST, int TB, int STACK, bool MERGE, bool PAIRS = false>
 __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   using K = Kind<AB, AS, BB, TB, STACK>;
   static_assert(!MERGE || (FAST && STACK == 0 && !K::kFp16), "rows merge in the fast integer kernel");
-  static_assert(!PAIRS || (FAST && !MERGE && !K::kFp16 && TB == kNarrowTileBytes),
-                "paired steps are for the fast integer kernel's narrow tile");
+  static_assert(!PAIRS || (FAST && STACK == 0 && !MERGE && !K::kFp16), "paired steps are for the fast integer kernel");
   constexpr int kTileBytes = K::kTileBytes;
   constexpr int kChunks = K::kChunks;
   constexpr int kCopyRows = K::kCopyRows;
   constexpr int kDenseStage = kSlots * kTileBytes;
   constexpr int kSparseStage = 8 * K::kSparseRowBytes;
   constexpr int kStageBytes = kDenseStage + kSparseStage;
-  constexpr int kRing = PAIRS ? 6 : kStages;
   constexpr int kColBytes = PAIRS ? kPairedColBlocks * kSlots * 4 : 0;
-  __shared__ __align__(128) uint8_t smem[kRing * kStageBytes + kColBytes];
+  __shared__ __align__(128) uint8_t smem[kStages * kStageBytes + kColBytes];
   extern __shared__ __align__(16) uint8_t merged[];
 
   await_inputs();
@@ -795,10 +793,12 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   }
   const int sparse_chunks = v * K::kSparseRowBytes / 16;
 
+  // The slot of block blk whose dense row the thread copies q-th.
+  auto copy_slot = [&](int blk, int q) { return blk * kSlots + cslot + kSlotStep * q; };
   auto fetch_cols = [&](int blk, int (&c)[kCopyRows]) {
     if (blk < nblocks) {
 #pragma unroll
-      for (int q = 0; q < kCopyRows; ++q) c[q] = cols[blk * kSlots + cslot + kSlotStep * q];
+      for (int q = 0; q < kCopyRows; ++q) c[q] = cols[copy_slot(blk, q)];
     }
   };
   // The thread's chunk of every row it copies starts here (a chunk past N reads nothing, from
@@ -813,7 +813,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   if constexpr (BB == 4) b_chunk = pinned(b_chunk);
   const uint32_t k_live = chunk_in ? static_cast<uint32_t>(p.k) : 0u;
   auto issue = [&](int blk, const int (&c)[kCopyRows]) {
-    const uint32_t stage = smem0 + (blk % kRing) * kStageBytes;
+    const uint32_t stage = smem0 + (blk % kStages) * kStageBytes;
 #pragma unroll
     for (int q = 0; q < kCopyRows; ++q) {
       const bool live = static_cast<uint32_t>(c[q]) < k_live;
@@ -855,7 +855,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   const int wchunk0 = warp * K::kWarpChunks;
 
   auto compute = [&](int blk) {
-    const uint32_t stage = smem0 + (blk % kRing) * kStageBytes;
+    const uint32_t stage = smem0 + (blk % kStages) * kStageBytes;
     const uint32_t sparse0 = MERGE ? smem_addr(merged) + blk * kSparseStage : stage + kDenseStage;
     const bool row_live = g < v;
     if constexpr (K::kFp16) {
@@ -917,9 +917,9 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   };
 
   if constexpr (PAIRS) {
-    // Pairs it/2 + 1 and it/2 + 2 are in flight while pair it/2 is computed; a pair's slots are
-    // refilled one step after it was computed, past the barrier that every warp has then crossed.
-    const uint32_t col_smem = smem0 + kRing * kStageBytes;
+    // Pair it/2 + 1 is in flight while pair it/2 is computed; a pair's slots are refilled one step
+    // after it was computed, past the barrier that every warp has then crossed.
+    const uint32_t col_smem = smem0 + kStages * kStageBytes;
     const int staged = min(nblocks, kPairedColBlocks) * kSlots;
     for (int i = 4 * tid; i < staged; i += 4 * kThreads) cp_async16(col_smem + 4 * i, cols + i, 16);
     cp_async_commit();
@@ -929,22 +929,22 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
       int c[kCopyRows];
 #pragma unroll
       for (int q = 0; q < kCopyRows; ++q) {
-        const int slot = blk * kSlots + cslot + kSlotStep * q;
+        const int slot = copy_slot(blk, q);
         c[q] = blk < kPairedColBlocks ? static_cast<int>(ld_shared_b32(col_smem + 4 * slot)) : cols[slot];
       }
       issue(blk, c);
     };
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
+    for (int s = 0; s < kStages - 2; ++s) {
       if (s < nblocks) issue_at(s);
       if (s & 1) cp_async_commit();
     }
     int since_fold = 0;
     for (int it = 0; it < nblocks; it += 2) {
-      cp_async_wait<1>();
+      cp_async_wait<kStages / 2 - 2>();
       __syncthreads();
-      if (it + 4 < nblocks) issue_at(it + 4);
-      if (it + 5 < nblocks) issue_at(it + 5);
+      if (it + kStages - 2 < nblocks) issue_at(it + kStages - 2);
+      if (it + kStages - 1 < nblocks) issue_at(it + kStages - 1);
       cp_async_commit();
       compute(it);
       r.multiplied(1, since_fold);

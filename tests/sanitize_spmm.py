@@ -100,18 +100,19 @@ def main() -> int:
             if not check(g, p, vm.to_dense(), 2, 130, n, 2, a_bits, b_bits, a_signed, hint):
                 bad += 1
                 print(f"MISMATCH merged: n={n} longest_row={hint} a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
-    # The gather kernel's paired steps (8-bit A and B on the narrow tile) on a row of 70 blocks,
-    # whose column indices past the 64 blocks copied to shared memory come from global memory, an
-    # empty row and one of 4 blocks.
+    # The gather kernel's paired steps (every kind but 4-bit B under 4- or 8-bit A; the narrow
+    # tile and the wide one) on a row of 70 blocks, whose column indices past the 64 blocks copied
+    # to shared memory come from global memory, an empty row and one of 4 blocks.
     os.environ["MAGICUBE_SPMM_KERNEL"] = "gather"
     mask = torch.zeros(3, 2240, dtype=torch.bool)
     mask[1], mask[2, :100] = True, True
     vm = VectorMask(mask, 8)
     p = SRBCRS.from_mask(vm, stride=32)
-    for a_signed in (True, False):
-        if not check(g, p, vm.to_dense(), 2, 2240, 48, 8, 8, 8, a_signed):
-            bad += 1
-            print(f"MISMATCH paired steps: signed={a_signed}")
+    for n in (48, 160):
+        for a_bits, b_bits, a_signed in KINDS:
+            if not check(g, p, vm.to_dense(), 2, 2240, n, 8, a_bits, b_bits, a_signed):
+                bad += 1
+                print(f"MISMATCH paired steps: n={n} a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
     # The tuned choice: every way that applies runs, timed, before the fastest (V 2, N = 160; the
     # rows merge).
     os.environ["MAGICUBE_SPMM_KERNEL"] = "tuned"

@@ -332,18 +332,20 @@ def test_merged_rows(kernels, monkeypatch, case):
 
 
 # (a_bits, b_bits, V, sparsity, M = K, N[, A signed], whether the gather kernel takes two blocks a
-# step): 8-bit A and B on the narrow tile (rows of at most 128 bytes), where one wave of the paired
-# kernel holds the grid (256 CTAs here, within one wave on any GPU of 64 SMs or more) and rows
-# average two blocks or more; not past one wave (2048 CTAs), on rows of one block, on the wide
-# tile, nor with other widths.
+# step): the integer kinds where rows average two blocks or more, on either tile and past one wave
+# (2048 CTAs), but not on rows of one block nor with 4-bit B under 4- or 8-bit A.
 PAIR_CASES = {
     "L8-R8": (8, 8, 8, 0.9, 2048, 128, True),
     "L8u-R8-n64": (8, 8, 8, 0.9, 2048, 64, False, True),
-    "L8-R8-past-one-wave": (8, 8, 2, 0.9, 4096, 128, False),
+    "L8-R8-past-one-wave": (8, 8, 2, 0.9, 4096, 128, True),
     "L8-R8-rows-of-one-block": (8, 8, 8, 0.98, 1024, 128, False),
-    "L8-R8-wide-tile": (8, 8, 8, 0.9, 2048, 256, False),
+    "L8-R8-wide-tile": (8, 8, 8, 0.9, 2048, 256, True),
+    "L16-R8": (16, 8, 8, 0.9, 2048, 128, True),
+    "L16-R16-two-wide-tiles": (16, 16, 8, 0.9, 1024, 256, True),
+    "L16-R4": (16, 4, 8, 0.9, 2048, 256, True),
+    "L12-R4": (12, 4, 8, 0.9, 2048, 256, True),
     "L8-R4": (8, 4, 8, 0.9, 2048, 256, False),
-    "L16-R8": (16, 8, 8, 0.9, 2048, 128, False),
+    "L4-R4": (4, 4, 8, 0.9, 2048, 256, False),
 }
 
 
