@@ -196,12 +196,12 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
   }
   // The integer kinds take two blocks a step (spmm_kernel's PAIRS) where rows average two blocks or
   // more, except 4-bit B under 4- or 8-bit A. H200, gather kernel forced, the two forms in one
-  // process, interleaved medians over M = K 1024-4096, N 128-512, V 2 and 8, sparsity 0.7-0.98
-  // (54 cells a pair, int64 output): L8-R8 0.965x the time on the geometric mean (0.86-1.03x),
-  // L16-R8 0.958x (0.90-1.04x), L16-R16 0.976x (0.93-1.07x, losing at sparsity 0.98 with V 2),
-  // L16-R4 0.962x (0.83-1.01x); L8-R4 0.973x but up to 1.14x with V 2, L4-R4 1.002x (up to 1.07x).
-  // The target shape took 0.949x with int64 output but 1.019x with fp16 (8.75 -> 8.92 us), the
-  // one loss among the seven cells timed with fp16 output. A ring of three pairs, landed first for L8-R8's
+  // process, interleaved medians over M = K 1024-4096, N 128-512, V 2 and 8, sparsity 0.7-0.98 (54
+  // cells a pair, int64 output): L8-R8 0.965x the time on the geometric mean (0.86-1.03x), L16-R8
+  // 0.958x (0.90-1.04x), L16-R16 0.976x (0.93-1.07x, losing at sparsity 0.98 with V 2), L16-R4
+  // 0.962x (0.83-1.01x); L8-R4 0.973x but up to 1.14x with V 2, L4-R4 1.002x (up to 1.07x). The
+  // target shape took 0.949x with int64 output but 1.019x with fp16 (8.75 -> 8.92 us), the one loss
+  // among the seven cells timed with fp16 output. A ring of three pairs, landed first for L8-R8's
   // narrow tile on grids of one wave, took 0.99x this ring's time there, and past one wave up to
   // 1.27x the one-block form's (kernel_checks.md, seventy-first round).
   if constexpr (!sd::Kind<AB, AS, BB, TB>::kFp16 && (BB != 4 || AB == 16)) {
