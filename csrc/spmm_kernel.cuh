@@ -746,8 +746,8 @@ struct MergedRows {
 // PAIRS: the main loop takes two blocks a step (one wait and one barrier for both, and the two
 // blocks' shared-memory reads and products back to back), the ring's kStages slots hold two pairs,
 // and the column indices of the row's first kPairedColBlocks blocks are copied to shared memory
-// before the first gather, so no step waits on a global load of indices (launch_fast says where it
-// runs).
+// before the first gather, so no step among them waits on a global load of indices (past them, the
+// indices are read from global memory at issue). launch_fast says where it runs.
 template <int AB, bool AS, int BB, bool FAST, int TB, int STACK, bool MERGE, bool PAIRS = false>
 __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   using K = Kind<AB, AS, BB, TB, STACK>;
