@@ -67,13 +67,13 @@ Choice kernel_choice() {
 // kernel resident during the gathers took the L1 that cp.async.ca reuses (4-bit B up to 35 %
 // slower).
 template <int AB, bool AS, int BB, bool FAST, int TB = magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes,
-          int STACK = 0, bool MERGE = false, bool PAIRS = false>
+          int STACK = 0, bool MERGE = false, int PAIR_RING = 0>
 void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, int64_t smem = 0) {
   const int64_t tiles = (p.row_bytes + TB - 1) / TB;
   MAGICUBE_CHECK(tiles <= 65535 && vrows <= INT32_MAX, "spmm: N or M too large");
   const dim3 grid(static_cast<unsigned>(MERGE ? vrows / 4 : vrows), static_cast<unsigned>(tiles),
                   static_cast<unsigned>(bh));
-  constexpr auto kernel = magicube::spmm_detail::spmm_kernel<AB, AS, BB, FAST, TB, STACK, MERGE, PAIRS>;
+  constexpr auto kernel = magicube::spmm_detail::spmm_kernel<AB, AS, BB, FAST, TB, STACK, MERGE, PAIR_RING>;
   // Where one wave holds every CTA, the rows' order (longest first, for the tail of a longer grid)
   // buys nothing, and reading it put a round trip to L2 before each CTA's first read of the
   // pattern: there CTA i takes vector row i (row_order null).
@@ -172,8 +172,8 @@ template <int AB, bool AS, int BB, int TB>
 void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice,
                  int64_t a_bits) {
   namespace sd = magicube::spmm_detail;
+  const int64_t ctas = vrows * ((p.row_bytes + TB - 1) / TB) * bh;
   if constexpr (AB == 16 && !sd::Kind<AB, AS, BB, TB>::kLocalSums) {
-    const int64_t ctas = vrows * ((p.row_bytes + TB - 1) / TB) * bh;
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const bool forced = choice == Choice::kStacked;
     const bool open = choice != Choice::kGather && choice != Choice::kMerged;
@@ -194,18 +194,30 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
         return launch_tiles<AB, AS, BB, true, TB, 4>(p, vrows, bh, stream);
     }
   }
-  // The integer kinds take two blocks a step (spmm_kernel's PAIRS) where rows average two blocks or
-  // more, except 4-bit B under 4- or 8-bit A. H200, gather kernel forced, the two forms in one
+  // The integer kinds take two blocks a step (spmm_kernel's PAIR_RING) where rows average two blocks
+  // or more, except 4-bit B under 4- or 8-bit A. H200, gather kernel forced, the two forms in one
   // process, interleaved medians over M = K 1024-4096, N 128-512, V 2 and 8, sparsity 0.7-0.98 (54
-  // cells a pair, int64 output): L8-R8 0.965x the time on the geometric mean (0.86-1.03x), L16-R8
-  // 0.958x (0.90-1.04x), L16-R16 0.976x (0.93-1.07x, losing at sparsity 0.98 with V 2), L16-R4
-  // 0.962x (0.83-1.01x); L8-R4 0.973x but up to 1.14x with V 2, L4-R4 1.002x (up to 1.07x). The
-  // target shape took 0.949x with int64 output but 1.019x with fp16 (8.75 -> 8.92 us), the one loss
-  // among the seven cells timed with fp16 output. A ring of three pairs, landed first for L8-R8's
-  // narrow tile on grids of one wave, took 0.99x this ring's time there, and past one wave up to
-  // 1.27x the one-block form's (kernel_checks.md, seventy-first round).
+  // cells a pair, int64 output), a ring of four slots: L8-R8 0.965x the time on the geometric mean
+  // (0.86-1.03x), L16-R8 0.958x (0.90-1.04x), L16-R16 0.976x (0.93-1.07x, losing at sparsity 0.98
+  // with V 2), L16-R4 0.962x (0.83-1.01x); L8-R4 0.973x but up to 1.14x with V 2, L4-R4 1.002x (up
+  // to 1.07x). A ring of six, landed first for L8-R8's narrow tile on grids of one wave, took 0.99x
+  // the four's time there, and past one wave up to 1.27x the one-block form's (kernel_checks.md,
+  // seventy-first round). On the wide tile, 8-bit A and B and 16-bit A and B take a ring of five
+  // (three blocks in flight; 111-112 registers against 96, four CTAs an SM) where its grid fits one
+  // wave: there it took 0.967x the four's time on both (0.89-1.03x, 39 cells; the target 8.66 ->
+  // 8.57 us with int64 output, 9.01 -> 8.37 with fp16), and 0.963x (0.93-0.99x) on the 22 of 96
+  // fresh cells the rule moves (BH 1-2, M = K 1536-3072, N 192-384, V 4-8, unsigned A too, fp16
+  // output); past one wave it lost 1.04x (up to 1.10x), L16-R8's wide tile 1.016x even in one wave,
+  // and the narrow tile 1.00-1.01x in one wave (seventy-second round).
   if constexpr (!sd::Kind<AB, AS, BB, TB>::kFp16 && (BB != 4 || AB == 16)) {
-    if (nnz_pad >= 2 * kSlots * vrows) return launch_tiles<AB, AS, BB, true, TB, 0, false, true>(p, vrows, bh, stream);
+    if (nnz_pad >= 2 * kSlots * vrows) {
+      if constexpr (AB == BB && TB == sd::kWideTileBytes) {
+        constexpr auto five = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false, 5>;
+        if (ctas <= magicube::wave_ctas<five>(kThreads, 0))
+          return launch_tiles<AB, AS, BB, true, TB, 0, false, 5>(p, vrows, bh, stream);
+      }
+      return launch_tiles<AB, AS, BB, true, TB, 0, false, 4>(p, vrows, bh, stream);
+    }
   }
   launch_tiles<AB, AS, BB, true, TB>(p, vrows, bh, stream);
 }

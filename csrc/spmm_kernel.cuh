@@ -17,10 +17,11 @@
 // slice. Per 32-slot block, the 32 gathered dense rows go to shared memory through a 4-stage
 // cp.async pipeline. The gather is the limiter: every kept vector re-reads a whole row slice of B
 // from L2 (measured on an H200: ~7-8 TB/s effective at large problems; latency-bound when the grid
-// is small), so the pipeline keeps three blocks in flight per CTA (a pair of two under PAIRS) with
-// several CTAs per SM, and the column indices of the next blocks are prefetched into registers one
-// or two steps ahead (Kind::kColsAhead) so the gather addresses seldom wait on a dependent load.
-// Where rows average two blocks or more, most integer kinds take two blocks a step (PAIRS, below).
+// is small), so the pipeline keeps three blocks in flight per CTA with several CTAs per SM, and
+// the column indices of the next blocks are prefetched into registers one or two steps ahead
+// (Kind::kColsAhead) so the gather addresses seldom wait on a dependent load. Where rows average
+// two blocks or more, most integer kinds take two blocks a step, with two or three blocks in flight
+// (PAIR_RING, below).
 // The online transpose of the gathered tile happens on the way out of shared memory: ldmatrix.trans
 // transposes byte pairs and one prmt per register finishes the 8-bit transpose (16-bit planes fall
 // out of the same prmt). Slots are placed in shared memory rows so that each ldmatrix 8x8 matrix
@@ -743,24 +744,34 @@ struct MergedRows {
 // MERGE: the CTA takes V 2 rows 4x .. 4x + 3 (x = blockIdx.x) as one V 8 row (MergedRows), window
 // by window, and reads the sparse values from shared memory, not through the pipeline.
 //
-// PAIRS: the main loop takes two blocks a step (one wait and one barrier for both, and the two
-// blocks' shared-memory reads and products back to back), the ring's kStages slots hold two pairs,
-// and the column indices of the row's first kPairedColBlocks blocks are copied to shared memory
-// before the first gather, so no step among them waits on a global load of indices (past them, the
-// indices are read from global memory at issue). launch_fast says where it runs.
-template <int AB, bool AS, int BB, bool FAST, int TB, int STACK, bool MERGE, bool PAIRS = false>
+// PAIR_RING: 0 for one block a step over the kStages slots; else the main loop takes two blocks a
+// step (one wait and one barrier for both, and the two blocks' shared-memory reads and products
+// back to back) over a ring of PAIR_RING slots, and the column indices of the row's first
+// kColBlocks blocks are copied to shared memory before the first gather, so no step among them
+// waits on a global load of indices (past them, the indices are read from global memory at issue).
+// launch_fast says where each ring runs.
+template <int AB, bool AS, int BB, bool FAST, int TB, int STACK, bool MERGE, int PAIR_RING = 0>
 __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   using K = Kind<AB, AS, BB, TB, STACK>;
+  constexpr bool kPairs = PAIR_RING != 0;
   static_assert(!MERGE || (FAST && STACK == 0 && !K::kFp16), "rows merge in the fast integer kernel");
-  static_assert(!PAIRS || (FAST && STACK == 0 && !MERGE && !K::kFp16), "paired steps are for the fast integer kernel");
+  static_assert(!kPairs || (PAIR_RING >= 4 && FAST && STACK == 0 && !MERGE && !K::kFp16),
+                "paired steps are for the fast integer kernel, over four slots or more");
   constexpr int kTileBytes = K::kTileBytes;
   constexpr int kChunks = K::kChunks;
   constexpr int kCopyRows = K::kCopyRows;
   constexpr int kDenseStage = kSlots * kTileBytes;
   constexpr int kSparseStage = 8 * K::kSparseRowBytes;
   constexpr int kStageBytes = kDenseStage + kSparseStage;
-  constexpr int kColBytes = PAIRS ? kPairedColBlocks * kSlots * 4 : 0;
-  __shared__ __align__(128) uint8_t smem[kStages * kStageBytes + kColBytes];
+  constexpr int kRing = kPairs ? PAIR_RING : kStages;
+  // 64 blocks of indices (8 KB), or 32 where 64 would pass the 48 KB of static shared memory (the
+  // five-slot ring on the wide tile).
+  constexpr int kStaticSmem = 48 * 1024;
+  constexpr bool kAllCols = kRing * kStageBytes + kPairedColBlocks * kSlots * 4 <= kStaticSmem;
+  constexpr int kColBlocks = kPairs ? (kAllCols ? kPairedColBlocks : kPairedColBlocks / 2) : 0;
+  constexpr int kColBytes = kColBlocks * kSlots * 4;
+  static_assert(kRing * kStageBytes + kColBytes <= kStaticSmem, "the ring passes the static shared memory");
+  __shared__ __align__(128) uint8_t smem[kRing * kStageBytes + kColBytes];
   extern __shared__ __align__(16) uint8_t merged[];
 
   await_inputs();
@@ -813,7 +824,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   if constexpr (BB == 4) b_chunk = pinned(b_chunk);
   const uint32_t k_live = chunk_in ? static_cast<uint32_t>(p.k) : 0u;
   auto issue = [&](int blk, const int (&c)[kCopyRows]) {
-    const uint32_t stage = smem0 + (blk % kStages) * kStageBytes;
+    const uint32_t stage = smem0 + (blk % kRing) * kStageBytes;
 #pragma unroll
     for (int q = 0; q < kCopyRows; ++q) {
       const bool live = static_cast<uint32_t>(c[q]) < k_live;
@@ -855,7 +866,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   const int wchunk0 = warp * K::kWarpChunks;
 
   auto compute = [&](int blk) {
-    const uint32_t stage = smem0 + (blk % kStages) * kStageBytes;
+    const uint32_t stage = smem0 + (blk % kRing) * kStageBytes;
     const uint32_t sparse0 = MERGE ? smem_addr(merged) + blk * kSparseStage : stage + kDenseStage;
     const bool row_live = g < v;
     if constexpr (K::kFp16) {
@@ -916,36 +927,39 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
     }
   };
 
-  if constexpr (PAIRS) {
-    // Pair it/2 + 1 is in flight while pair it/2 is computed; a pair's slots are refilled one step
-    // after it was computed, past the barrier that every warp has then crossed.
-    const uint32_t col_smem = smem0 + kStages * kStageBytes;
-    const int staged = min(nblocks, kPairedColBlocks) * kSlots;
+  int since_fold = 0;
+  // MERGE: the blocks of the windows before, and the next window's first rank.
+  int blocks_before = 0, next_rank = 0;
+  if constexpr (kPairs) {
+    // Blocks it + 2 .. it + kRing - 1 are in flight while blocks it and it + 1 are computed; the
+    // slots of the pair computed one step before are refilled past the barrier that every warp has
+    // then crossed. Each block is its own cp.async group.
+    const uint32_t col_smem = smem0 + kRing * kStageBytes;
+    const int staged = min(nblocks, kColBlocks) * kSlots;
     for (int i = 4 * tid; i < staged; i += 4 * kThreads) cp_async16(col_smem + 4 * i, cols + i, 16);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
     auto issue_at = [&](int blk) {
-      int c[kCopyRows];
+      if (blk < nblocks) {
+        int c[kCopyRows];
 #pragma unroll
-      for (int q = 0; q < kCopyRows; ++q) {
-        const int slot = copy_slot(blk, q);
-        c[q] = blk < kPairedColBlocks ? static_cast<int>(ld_shared_b32(col_smem + 4 * slot)) : cols[slot];
+        for (int q = 0; q < kCopyRows; ++q) {
+          const int slot = copy_slot(blk, q);
+          c[q] = blk < kColBlocks ? static_cast<int>(ld_shared_b32(col_smem + 4 * slot)) : cols[slot];
+        }
+        issue(blk, c);
       }
-      issue(blk, c);
+      cp_async_commit();
     };
 #pragma unroll
-    for (int s = 0; s < kStages - 2; ++s) {
-      if (s < nblocks) issue_at(s);
-      if (s & 1) cp_async_commit();
-    }
-    int since_fold = 0;
+    for (int s = 0; s < kRing - 2; ++s) issue_at(s);
     for (int it = 0; it < nblocks; it += 2) {
-      cp_async_wait<kStages / 2 - 2>();
+      // Blocks it and it + 1 have landed once no more than the kRing - 4 groups after them pend.
+      cp_async_wait<kRing - 4>();
       __syncthreads();
-      if (it + kStages - 2 < nblocks) issue_at(it + kStages - 2);
-      if (it + kStages - 1 < nblocks) issue_at(it + kStages - 1);
-      cp_async_commit();
+      issue_at(it + kRing - 2);
+      issue_at(it + kRing - 1);
       compute(it);
       r.multiplied(1, since_fold);
       if (it + 1 < nblocks) {
@@ -953,57 +967,51 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
         r.multiplied(1, since_fold);
       }
     }
-    allow_next_launch();
-    write_vector_row(p, r, bh, vrow, p.v, blockIdx.y * K::kTileCols + wchunk0 * K::kColsPerChunk, nblocks);
-    return;
-  }
-
-  // Pipeline: blocks it+1 .. it+kStages-1 are in flight while block it is computed. The column
-  // indices of the next kColsAhead blocks to issue are in registers, each loaded kColsAhead steps
-  // before its gather is issued.
-  constexpr int kColsAhead = K::kColsAhead;
-  int next_cols[kColsAhead][kCopyRows];
-  int since_fold = 0;
-  // MERGE: the blocks of the windows before, and the next window's first rank.
-  int blocks_before = 0, next_rank = 0;
-  do {
-    if constexpr (MERGE) {
-      nblocks = (MergedRows<K>(p, vrow, merged).window(p, bh, next_rank, count) + kSlots - 1) / kSlots;
-      next_rank += p.merge_blocks * kSlots;
-    }
-#pragma unroll
-    for (int a = 0; a < kColsAhead; ++a)
-#pragma unroll
-      for (int q = 0; q < kCopyRows; ++q) next_cols[a][q] = -1;
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < nblocks) {
-        fetch_cols(s, next_cols[0]);
-        issue(s, next_cols[0]);
+  } else {
+    // Pipeline: blocks it+1 .. it+kStages-1 are in flight while block it is computed. The column
+    // indices of the next kColsAhead blocks to issue are in registers, each loaded kColsAhead steps
+    // before its gather is issued.
+    constexpr int kColsAhead = K::kColsAhead;
+    int next_cols[kColsAhead][kCopyRows];
+    do {
+      if constexpr (MERGE) {
+        nblocks = (MergedRows<K>(p, vrow, merged).window(p, bh, next_rank, count) + kSlots - 1) / kSlots;
+        next_rank += p.merge_blocks * kSlots;
       }
-      cp_async_commit();
-    }
 #pragma unroll
-    for (int a = 0; a < kColsAhead; ++a) fetch_cols(kStages - 1 + a, next_cols[a]);
-    for (int it = 0; it < nblocks; ++it) {
-      cp_async_wait<kStages - 2>();
-      __syncthreads();
-      if (it + kStages - 1 < nblocks) issue(it + kStages - 1, next_cols[0]);
-      cp_async_commit();
+      for (int a = 0; a < kColsAhead; ++a)
 #pragma unroll
-      for (int a = 0; a + 1 < kColsAhead; ++a)
+        for (int q = 0; q < kCopyRows; ++q) next_cols[a][q] = -1;
 #pragma unroll
-        for (int q = 0; q < kCopyRows; ++q) next_cols[a][q] = next_cols[a + 1][q];
-      fetch_cols(it + kStages - 1 + kColsAhead, next_cols[kColsAhead - 1]);
-      compute(it);
-      r.multiplied(1, since_fold);
-    }
-    if constexpr (MERGE) {
-      blocks_before += nblocks;
-      // The next window overwrites the ring and the union's shared memory.
-      if (next_rank < count) __syncthreads();
-    }
-  } while (MERGE && next_rank < count);
+      for (int s = 0; s < kStages - 1; ++s) {
+        if (s < nblocks) {
+          fetch_cols(s, next_cols[0]);
+          issue(s, next_cols[0]);
+        }
+        cp_async_commit();
+      }
+#pragma unroll
+      for (int a = 0; a < kColsAhead; ++a) fetch_cols(kStages - 1 + a, next_cols[a]);
+      for (int it = 0; it < nblocks; ++it) {
+        cp_async_wait<kStages - 2>();
+        __syncthreads();
+        if (it + kStages - 1 < nblocks) issue(it + kStages - 1, next_cols[0]);
+        cp_async_commit();
+#pragma unroll
+        for (int a = 0; a + 1 < kColsAhead; ++a)
+#pragma unroll
+          for (int q = 0; q < kCopyRows; ++q) next_cols[a][q] = next_cols[a + 1][q];
+        fetch_cols(it + kStages - 1 + kColsAhead, next_cols[kColsAhead - 1]);
+        compute(it);
+        r.multiplied(1, since_fold);
+      }
+      if constexpr (MERGE) {
+        blocks_before += nblocks;
+        // The next window overwrites the ring and the union's shared memory.
+        if (next_rank < count) __syncthreads();
+      }
+    } while (MERGE && next_rank < count);
+  }
   allow_next_launch();
   // Every block that carried data was waited for in the loop, and the epilogue reads no shared
   // memory, so no barrier remains. (V read again, not held through the loop in a register.)

@@ -79,13 +79,13 @@ def _kernels_run(*shape, call=None):
 
 def _gather_instance(*shape):
     """The template arguments of the one gather kernel that a call launched (_problem's
-    arguments), by name: AB, AS, BB, FAST, TB, STACK, MERGE, PAIRS."""
+    arguments), by name: AB, AS, BB, FAST, TB, STACK, MERGE, PAIR_RING."""
     names = _kernels_run(*shape)
     gathers = [name for name in names if WAY_KERNELS["gather"] in name]
     others = [name for name in names for way in ("resident", "dense") if WAY_KERNELS[way] in name]
     assert len(gathers) == 1 and not others, names
     args = gathers[0].split(WAY_KERNELS["gather"])[1].split(">")[0].split(", ")
-    return dict(zip(("AB", "AS", "BB", "FAST", "TB", "STACK", "MERGE", "PAIRS"), args, strict=True))
+    return dict(zip(("AB", "AS", "BB", "FAST", "TB", "STACK", "MERGE", "PAIR_RING"), args, strict=True))
 
 
 def _ways_run(*shape, call=None):
@@ -331,33 +331,36 @@ def test_merged_rows(kernels, monkeypatch, case):
     assert instance["MERGE"] == str(merged).lower() and (instance["STACK"] == "0" or not merged)
 
 
-# (a_bits, b_bits, V, sparsity, M = K, N[, A signed], whether the gather kernel takes two blocks a
-# step): the integer kinds where rows average two blocks or more, on either tile and past one wave
-# (2048 CTAs), but not on rows of one block nor with 4-bit B under 4- or 8-bit A.
+# (a_bits, b_bits, V, sparsity, M = K, N[, A signed], the gather kernel's ring of slots for two
+# blocks a step, 0 for one block a step): the integer kinds where rows average two blocks or more,
+# on either tile and past one wave (2048 CTAs), but not on rows of one block nor with 4-bit B under
+# 4- or 8-bit A; five slots for 8-bit A and B and 16-bit A and B on the wide tile in one wave.
 PAIR_CASES = {
-    "L8-R8": (8, 8, 8, 0.9, 2048, 128, True),
-    "L8u-R8-n64": (8, 8, 8, 0.9, 2048, 64, False, True),
-    "L8-R8-past-one-wave": (8, 8, 2, 0.9, 4096, 128, True),
-    "L8-R8-rows-of-one-block": (8, 8, 8, 0.98, 1024, 128, False),
-    "L8-R8-wide-tile": (8, 8, 8, 0.9, 2048, 256, True),
-    "L16-R8": (16, 8, 8, 0.9, 2048, 128, True),
-    "L16-R16-two-wide-tiles": (16, 16, 8, 0.9, 1024, 256, True),
-    "L16-R4": (16, 4, 8, 0.9, 2048, 256, True),
-    "L12-R4": (12, 4, 8, 0.9, 2048, 256, True),
-    "L8-R4": (8, 4, 8, 0.9, 2048, 256, False),
-    "L4-R4": (4, 4, 8, 0.9, 2048, 256, False),
+    "L8-R8": (8, 8, 8, 0.9, 2048, 128, 4),
+    "L8u-R8-n64": (8, 8, 8, 0.9, 2048, 64, False, 4),
+    "L8-R8-past-one-wave": (8, 8, 2, 0.9, 4096, 128, 4),
+    "L8-R8-rows-of-one-block": (8, 8, 8, 0.98, 1024, 128, 0),
+    "L8-R8-wide-tile": (8, 8, 8, 0.9, 2048, 256, 5),
+    "L8-R8-wide-tile-past-one-wave": (8, 8, 2, 0.9, 4096, 256, 4),
+    "L16-R8": (16, 8, 8, 0.9, 2048, 128, 4),
+    "L16-R8-wide-tile": (16, 8, 8, 0.9, 2048, 256, 4),
+    "L16-R16-two-wide-tiles": (16, 16, 8, 0.9, 1024, 256, 5),
+    "L16-R4": (16, 4, 8, 0.9, 2048, 256, 4),
+    "L12-R4": (12, 4, 8, 0.9, 2048, 256, 4),
+    "L8-R4": (8, 4, 8, 0.9, 2048, 256, 0),
+    "L4-R4": (4, 4, 8, 0.9, 2048, 256, 0),
 }
 
 
 @pytest.mark.parametrize("case", PAIR_CASES.values(), ids=PAIR_CASES.keys())
 def test_paired_steps(kernels, monkeypatch, case):
-    """The gather kernel runs exactly, taking two blocks a step (its last template argument, PAIRS)
-    where the case says."""
-    *shape, paired = case
+    """The gather kernel runs exactly, taking two blocks a step over the ring the case says (its
+    last template argument, PAIR_RING)."""
+    *shape, ring = case
     monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", "gather")
     call, reference = _problem(*shape)
     assert torch.equal(call(), reference)
-    assert _gather_instance(*shape)["PAIRS"] == str(paired).lower()
+    assert _gather_instance(*shape)["PAIR_RING"] == str(ring)
 
 
 # (a_bits, b_bits, V, sparsity, M = K, N, the ways the tuned choice may take): cells where the
