@@ -173,14 +173,14 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
                  int64_t a_bits) {
   namespace sd = magicube::spmm_detail;
   const int64_t ctas = vrows * ((p.row_bytes + TB - 1) / TB) * bh;
+  const auto waves = [ctas](int64_t wave) { return (ctas + wave - 1) / wave; };
+  constexpr auto one = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false>;  // one block a step
   if constexpr (AB == 16 && !sd::Kind<AB, AS, BB, TB>::kLocalSums) {
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const bool forced = choice == Choice::kStacked;
     const bool open = choice != Choice::kGather && choice != Choice::kMerged;
-    constexpr auto plain = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false>;
-    const auto waves = [ctas](int64_t wave) { return (ctas + wave - 1) / wave; };
     const auto rows_pay = [&] {
-      return nnz_pad >= 2 * kSlots * vrows || (BB == 16 && waves(magicube::wave_ctas<plain>(kThreads, 0)) > 1);
+      return nnz_pad >= 2 * kSlots * vrows || (BB == 16 && waves(magicube::wave_ctas<one>(kThreads, 0)) > 1);
     };
     if (p.v == 2 && can_stack(a_bits, AS, 2) && (forced || (open && ctas >= 4 * sms && rows_pay())))
       return launch_tiles<AB, AS, BB, true, TB, 2>(p, vrows, bh, stream);
@@ -188,39 +188,44 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
     if constexpr (!AS || BB == 4) {
       constexpr auto stacked = sd::spmm_kernel<AB, AS, BB, true, TB, 4, false>;
       const auto fewer_waves = [&] {
-        return waves(magicube::wave_ctas<stacked>(kThreads, 0)) < waves(magicube::wave_ctas<plain>(kThreads, 0));
+        return waves(magicube::wave_ctas<stacked>(kThreads, 0)) < waves(magicube::wave_ctas<one>(kThreads, 0));
       };
       if (p.v == 4 && can_stack(a_bits, AS, 4) && (forced || (open && (ctas >= 10 * sms || fewer_waves()))))
         return launch_tiles<AB, AS, BB, true, TB, 4>(p, vrows, bh, stream);
     }
   }
   // The integer kinds take two blocks a step (spmm_kernel's PAIR_RING) where rows average two blocks
-  // or more, except 4-bit B under 4-bit A, and under 8-bit A on the terms below. H200, gather
-  // kernel forced, the two forms in one process, interleaved medians over M = K 1024-4096, N
-  // 128-512, V 2 and 8, sparsity 0.7-0.98 (54 cells a pair, int64 output), a ring of four slots: L8-R8 0.965x the time on the geometric mean
-  // (0.86-1.03x), L16-R8 0.958x (0.90-1.04x), L16-R16 0.976x (0.93-1.07x, losing at sparsity 0.98
-  // with V 2), L16-R4 0.962x (0.83-1.01x); L8-R4 0.973x but up to 1.14x with V 2, L4-R4 1.002x (up
-  // to 1.07x). A ring of six, landed first for L8-R8's narrow tile on grids of one wave, took 0.99x
-  // the four's time there, and past one wave up to 1.27x the one-block form's (kernel_checks.md,
-  // seventy-first round). On the wide tile, 8-bit A and B and 16-bit A and B take a ring of five
-  // (three blocks in flight; 111-112 registers against 96, four CTAs an SM) where its grid fits one
-  // wave: there it took 0.967x the four's time on both (0.89-1.03x, 39 cells; the target 8.66 ->
-  // 8.57 us with int64 output, 9.01 -> 8.37 with fp16), and 0.963x (0.93-0.99x) on the 22 of 96
-  // fresh cells the rule moves (BH 1-2, M = K 1536-3072, N 192-384, V 4-8, unsigned A too, fp16
-  // output); past one wave it lost 1.04x (up to 1.10x), L16-R8's wide tile 1.016x even in one wave,
-  // and the narrow tile 1.00-1.01x in one wave (seventy-second round). 8-bit A with 4-bit B pairs
-  // where rows average more than three blocks and the paired kernel's grid fits one wave (89
+  // or more, except 4-bit B under 4-bit A, and under 8-bit A on the terms below. H200, gather kernel
+  // forced, the two forms in one process, interleaved medians over M = K 1024-4096, N 128-512, V 2
+  // and 8, sparsity 0.7-0.98 (54 cells a pair, int64 output), a ring of four slots: L8-R8 0.965x the
+  // time on the geometric mean (0.86-1.03x), L16-R8 0.958x (0.90-1.04x), L16-R16 0.976x (0.93-1.07x,
+  // losing at sparsity 0.98 with V 2), L16-R4 0.962x (0.83-1.01x); L8-R4 0.973x but up to 1.14x with
+  // V 2, L4-R4 1.002x (up to 1.07x). A ring of six, landed first for L8-R8's narrow tile on grids of
+  // one wave, took 0.99x the four's time there, and past one wave up to 1.27x the one-block form's
+  // (kernel_checks.md, seventy-first round). On the wide tile, 8-bit A and B and 16-bit A and B take
+  // a ring of five (three blocks in flight; 111-112 registers against 96, four CTAs an SM) where its
+  // grid fits one wave: there it took 0.967x the four's time on both (0.89-1.03x, 39 cells; the
+  // target 8.66 -> 8.57 us with int64 output, 9.01 -> 8.37 with fp16), and 0.963x (0.93-0.99x) on the
+  // 22 of 96 fresh cells the rule moves (BH 1-2, M = K 1536-3072, N 192-384, V 4-8, unsigned A too,
+  // fp16 output); past one wave it lost 1.04x (up to 1.10x), L16-R8's wide tile 1.016x even in one
+  // wave, and the narrow tile 1.00-1.01x in one wave (seventy-second round). 8-bit A with 4-bit B
+  // pairs where rows average more than three blocks and the paired kernel's grid fits one wave (89
   // registers against 77: five CTAs an SM, not six): there it took 0.936x the time on the sweep's
   // grid (0.88-0.99x, 30 cells, int64 output) and 0.950x (0.91-0.98x) on 35 fresh cells (BH 1-3, M =
   // K 768-3584, N 96-448, V 2-8, unsigned A and ragged rows too, fp16 output). Where the one-block
   // kernel's grid fits one wave and the paired kernel's does not it took 1.15x (up to 1.30x), past
   // both waves 1.03x; in one wave on rows of two or three blocks 1.008x on the grid, 0.963x fresh
-  // (seventy-third round).
+  // (seventy-third round). No kind pairs where the paired kernel's grid takes more waves than the
+  // one-block kernel's: on the narrow tile L8-R8 holds 8 paired CTAs an SM against 10, L16-R16 7
+  // against 8, and between the two waves (fresh cells, BH 1-4, K 1024-3072, V 2-8, unsigned A and
+  // ragged rows too, fp16 output) pairing took 1.051x the time (up to 1.16x, 30 cells) and 1.101x (up
+  // to 1.20x, 13 cells), where the waves are the same 0.970x and 0.990x (same round).
   if constexpr (!sd::Kind<AB, AS, BB, TB>::kFp16 && AB != 4) {
     constexpr auto four = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false, 4>;
-    const bool pays = AB == 8 && BB == 4
-                          ? nnz_pad > 3 * kSlots * vrows && ctas <= magicube::wave_ctas<four>(kThreads, 0)
-                          : nnz_pad >= 2 * kSlots * vrows;
+    const int64_t wave = magicube::wave_ctas<four>(kThreads, 0);
+    const bool pays = AB == 8 && BB == 4 ? nnz_pad > 3 * kSlots * vrows && ctas <= wave
+                                         : nnz_pad >= 2 * kSlots * vrows &&
+                                               waves(wave) <= waves(magicube::wave_ctas<one>(kThreads, 0));
     if (pays) {
       if constexpr (AB == BB && TB == sd::kWideTileBytes) {
         constexpr auto five = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false, 5>;
