@@ -211,15 +211,15 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
   // wave, and the narrow tile 1.00-1.01x in one wave (seventy-second round). 8-bit A with 4-bit B
   // pairs where rows average more than three blocks and the paired kernel's grid fits one wave (89
   // registers against 77: five CTAs an SM, not six): there it took 0.936x the time on the sweep's
-  // grid (0.88-0.99x, 30 cells, int64 output) and 0.950x (0.91-0.98x) on 35 fresh cells (BH 1-3, M =
-  // K 768-3584, N 96-448, V 2-8, unsigned A and ragged rows too, fp16 output). Where the one-block
-  // kernel's grid fits one wave and the paired kernel's does not it took 1.15x (up to 1.30x), past
-  // both waves 1.03x; in one wave on rows of two or three blocks 1.008x on the grid, 0.963x fresh
-  // (seventy-third round). No kind pairs where the paired kernel's grid takes more waves than the
-  // one-block kernel's: on the narrow tile L8-R8 holds 8 paired CTAs an SM against 10, L16-R16 7
-  // against 8, and between the two waves (fresh cells, BH 1-4, K 1024-3072, V 2-8, unsigned A and
-  // ragged rows too, fp16 output) pairing took 1.051x the time (up to 1.16x, 30 cells) and 1.101x (up
-  // to 1.20x, 13 cells), where the waves are the same 0.970x and 0.990x (same round).
+  // grid (0.88-0.99x, 30 cells, int64 output) and 0.950x (0.91-0.98x) on 35 fresh cells (BH 1-3,
+  // M = K 768-3584, N 96-448, V 2-8, unsigned A and ragged rows too, fp16 output). Where only the
+  // one-block kernel's grid fits one wave it took 1.15x (up to 1.30x, 15 fresh cells); on larger
+  // grids 0.97-1.02x on rows of more than three blocks, up to 1.14x on shorter ones (seventy-third
+  // round). No kind pairs where the paired kernel's grid takes more waves than the one-block
+  // kernel's: on the narrow tile L8-R8 holds 8 paired CTAs an SM against 10, L16-R16 7 against 8, and
+  // between the two waves (fresh cells, BH 1-4, K 1024-3072, V 2-8, unsigned A and ragged rows too,
+  // fp16 output) pairing took 1.051x the time (up to 1.16x, 30 cells) and 1.101x (up to 1.20x, 13
+  // cells), where the waves are the same 0.970x and 0.990x (same round).
   if constexpr (!sd::Kind<AB, AS, BB, TB>::kFp16 && AB != 4) {
     constexpr auto four = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false, 4>;
     const int64_t wave = magicube::wave_ctas<four>(kThreads, 0);
