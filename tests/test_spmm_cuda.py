@@ -353,9 +353,9 @@ def _off16(t: torch.Tensor) -> torch.Tensor:
                          ids=["L8-R8", "L16u-R8", "L8-R4"])
 def test_pattern_views_off_16_bytes(kernels, a_bits, b_bits, a_signed):
     """col_idx and the sparse values as views 4 bytes past a 16-byte boundary, which the kernels
-    that copy them 16 bytes at a time (the gather kernel's paired steps, here on 8-bit B: rows of
-    five blocks, N 64; the dense path's expansion; every kernel's sparse values) take as aligned
-    copies: exact."""
+    that copy them 16 bytes at a time (the gather kernel's paired steps, which rows of five blocks
+    on six CTAs admit for all three kinds; the dense path's expansion; every kernel's sparse values)
+    take as aligned copies: exact."""
     bh, rows, k, n, v = 2, 24, 500, 64, 8
     g = torch.Generator().manual_seed(a_bits + b_bits)
     p, emask = problem(bh, rows, k, v, 0.7, seed=3)
