@@ -175,12 +175,13 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
   const int64_t ctas = vrows * ((p.row_bytes + TB - 1) / TB) * bh;
   const auto waves = [ctas](int64_t wave) { return (ctas + wave - 1) / wave; };
   constexpr auto one = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false>;  // one block a step
+  const auto one_waves = [&] { return waves(magicube::wave_ctas<one>(kThreads, 0)); };
   if constexpr (AB == 16 && !sd::Kind<AB, AS, BB, TB>::kLocalSums) {
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const bool forced = choice == Choice::kStacked;
     const bool open = choice != Choice::kGather && choice != Choice::kMerged;
     const auto rows_pay = [&] {
-      return nnz_pad >= 2 * kSlots * vrows || (BB == 16 && waves(magicube::wave_ctas<one>(kThreads, 0)) > 1);
+      return nnz_pad >= 2 * kSlots * vrows || (BB == 16 && one_waves() > 1);
     };
     if (p.v == 2 && can_stack(a_bits, AS, 2) && (forced || (open && ctas >= 4 * sms && rows_pay())))
       return launch_tiles<AB, AS, BB, true, TB, 2>(p, vrows, bh, stream);
@@ -188,7 +189,7 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
     if constexpr (!AS || BB == 4) {
       constexpr auto stacked = sd::spmm_kernel<AB, AS, BB, true, TB, 4, false>;
       const auto fewer_waves = [&] {
-        return waves(magicube::wave_ctas<stacked>(kThreads, 0)) < waves(magicube::wave_ctas<one>(kThreads, 0));
+        return waves(magicube::wave_ctas<stacked>(kThreads, 0)) < one_waves();
       };
       if (p.v == 4 && can_stack(a_bits, AS, 4) && (forced || (open && (ctas >= 10 * sms || fewer_waves()))))
         return launch_tiles<AB, AS, BB, true, TB, 4>(p, vrows, bh, stream);
@@ -225,7 +226,7 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
     const int64_t wave = magicube::wave_ctas<four>(kThreads, 0);
     const bool pays = AB == 8 && BB == 4 ? nnz_pad > 3 * kSlots * vrows && ctas <= wave
                                          : nnz_pad >= 2 * kSlots * vrows &&
-                                               waves(wave) <= waves(magicube::wave_ctas<one>(kThreads, 0));
+                                               waves(wave) <= one_waves();
     if (pays) {
       if constexpr (AB == BB && TB == sd::kWideTileBytes) {
         constexpr auto five = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false, 5>;
