@@ -180,17 +180,13 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const bool forced = choice == Choice::kStacked;
     const bool open = choice != Choice::kGather && choice != Choice::kMerged;
-    const auto rows_pay = [&] {
-      return nnz_pad >= 2 * kSlots * vrows || (BB == 16 && one_waves() > 1);
-    };
+    const auto rows_pay = [&] { return nnz_pad >= 2 * kSlots * vrows || (BB == 16 && one_waves() > 1); };
     if (p.v == 2 && can_stack(a_bits, AS, 2) && (forced || (open && ctas >= 4 * sms && rows_pay())))
       return launch_tiles<AB, AS, BB, true, TB, 2>(p, vrows, bh, stream);
     // Signed A stacks at V 4 as 12-bit values only, which meet 4-bit B only (spmm_cuda's checks).
     if constexpr (!AS || BB == 4) {
       constexpr auto stacked = sd::spmm_kernel<AB, AS, BB, true, TB, 4, false>;
-      const auto fewer_waves = [&] {
-        return waves(magicube::wave_ctas<stacked>(kThreads, 0)) < one_waves();
-      };
+      const auto fewer_waves = [&] { return waves(magicube::wave_ctas<stacked>(kThreads, 0)) < one_waves(); };
       if (p.v == 4 && can_stack(a_bits, AS, 4) && (forced || (open && (ctas >= 10 * sms || fewer_waves()))))
         return launch_tiles<AB, AS, BB, true, TB, 4>(p, vrows, bh, stream);
     }
