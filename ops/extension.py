@@ -2,8 +2,9 @@
 
 Each family `csrc/<family>.cu` compiles on first use through torch's ninja JIT into a cached
 extension `magicube_<family>` that registers its ops under `torch.ops.magicube_cuda`; the
-ahead-of-time build is `python -m magicube.ops.extension` (or `magicube build`). One
-extension per family keeps rebuilds small and lets a machine run the families it can build.
+ahead-of-time build is `magicube build` (`main` below; `python -m magicube.eval.cli build` where
+the command is not on PATH). One extension per family keeps rebuilds small and lets a machine run
+the families it can build.
 
 Targets sm_80 (A100) and sm_90a (Hopper; the `a` admits wgmma and setmaxnreg). Set
 MAGICUBE_CUDA_ARCHS (e.g. "90a") to build fewer.
@@ -152,7 +153,7 @@ def _build_one(family: str) -> tuple[str, int, str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m magicube.ops.extension",
+    parser = argparse.ArgumentParser(prog="magicube build",
                                      description="Build the CUDA kernels ahead of time.")
     parser.add_argument("families", nargs="*", metavar="FAMILY",
                         help=f"any of {FAMILIES} (default: all)")
@@ -185,6 +186,3 @@ def main(argv=None) -> int:
         print(output, end="", flush=True)
     return 1 if any(code for _, code, _ in results) else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,6 +25,15 @@ def test_unknown_family_is_named():
         extension.sources("gemm")
 
 
+def test_build_command_names_unknown_families(capsys):
+    """`magicube build` (extension.main) refuses an unknown family before building anything."""
+    with pytest.raises(SystemExit) as exit_:
+        extension.main(["spmm", "gemm"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: magicube build" in err and "unknown families ['gemm']" in err
+
+
 def _fake_build(monkeypatch, tmp_path, torch_has_baton: bool):
     """load("spmm") into tmp_path with the compile replaced by a probe of the build directory."""
     from filelock import FileLock, Timeout
