@@ -185,4 +185,3 @@ def main(argv=None) -> int:
     for _, _, output in results:
         print(output, end="", flush=True)
     return 1 if any(code for _, code, _ in results) else 0
-
