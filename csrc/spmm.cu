@@ -221,8 +221,7 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
     constexpr auto four = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false, 4>;
     const int64_t wave = magicube::wave_ctas<four>(kThreads, 0);
     const bool pays = AB == 8 && BB == 4 ? nnz_pad > 3 * kSlots * vrows && ctas <= wave
-                                         : nnz_pad >= 2 * kSlots * vrows &&
-                                               waves(wave) <= one_waves();
+                                         : nnz_pad >= 2 * kSlots * vrows && waves(wave) <= one_waves();
     if (pays) {
       if constexpr (AB == BB && TB == sd::kWideTileBytes) {
         constexpr auto five = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false, 5>;
