@@ -764,11 +764,11 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   constexpr int kSparseStage = 8 * K::kSparseRowBytes;
   constexpr int kStageBytes = kDenseStage + kSparseStage;
   constexpr int kRing = kPairs ? PAIR_RING : kStages;
-  // 64 blocks of indices (8 KB), or 32 where 64 would pass the 48 KB of static shared memory (the
-  // five-slot ring on the wide tile).
+  // 64 blocks of indices (8 KB), or as many as fit beside the ring in the 48 KB of static shared
+  // memory (44-54 beside the five-slot ring on the wide tile).
   constexpr int kStaticSmem = 48 * 1024;
-  constexpr bool kAllCols = kRing * kStageBytes + kPairedColBlocks * kSlots * 4 <= kStaticSmem;
-  constexpr int kColBlocks = kPairs ? (kAllCols ? kPairedColBlocks : kPairedColBlocks / 2) : 0;
+  constexpr int kFitBlocks = (kStaticSmem - kRing * kStageBytes) / (kSlots * 4);
+  constexpr int kColBlocks = kPairs ? (kFitBlocks < kPairedColBlocks ? kFitBlocks : kPairedColBlocks) : 0;
   constexpr int kColBytes = kColBlocks * kSlots * 4;
   static_assert(kRing * kStageBytes + kColBytes <= kStaticSmem, "the ring passes the static shared memory");
   __shared__ __align__(128) uint8_t smem[kRing * kStageBytes + kColBytes];

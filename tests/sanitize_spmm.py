@@ -102,7 +102,7 @@ def main() -> int:
                 print(f"MISMATCH merged: n={n} longest_row={hint} a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
     # The gather kernel's paired steps (every kind but 4-bit B under 4-bit A; the narrow
     # tile and the wide one, whose 8-bit A and B and 16-bit A and B take the ring of five here) on
-    # a row of 70 blocks, whose column indices past the 64 or 32 blocks copied to shared memory
+    # a row of 70 blocks, whose column indices past the 44-64 blocks copied to shared memory
     # come from global memory, an empty row and one of 4 blocks.
     os.environ["MAGICUBE_SPMM_KERNEL"] = "gather"
     mask = torch.zeros(3, 2240, dtype=torch.bool)

@@ -335,7 +335,8 @@ def test_merged_rows(kernels, monkeypatch, case):
 # blocks a step, 0 for one block a step): the integer kinds where rows average two blocks or more,
 # on either tile and past one wave, but not on rows of one block nor with 4-bit B under 4-bit A,
 # nor where the paired kernel's grid takes more waves than the one-block kernel's; five slots for
-# 8-bit A and B and 16-bit A and B on the wide tile in one wave; 4-bit B under 8-bit A four slots on
+# 8-bit A and B and 16-bit A and B on the wide tile in one wave (rows of 58 blocks among them,
+# past the 54 and 44 blocks whose indices that ring stages); 4-bit B under 8-bit A four slots on
 # rows of more than three blocks in one wave (256 CTAs), not past it (1024) nor on rows of three
 # blocks. The cases of L8-R8's and L16-R16's narrow tile past one wave are sized by the SM count
 # (V 2 rows there make M / 2 CTAs), from the CTAs an SM that ptxas gives their kernels (sm_90a):
@@ -348,10 +349,12 @@ PAIR_CASES = {
     "L8-R8-between-the-waves": (8, 8, 2, 0.9, 18 * sms, 128, 0),
     "L8-R8-rows-of-one-block": (8, 8, 8, 0.98, 1024, 128, 0),
     "L8-R8-wide-tile": (8, 8, 8, 0.9, 2048, 256, 5),
+    "L8-R8-wide-tile-long-rows": (8, 8, 8, 0.1, 2048, 256, 5),
     "L8-R8-wide-tile-past-one-wave": (8, 8, 2, 0.9, 4096, 256, 4),
     "L16-R8": (16, 8, 8, 0.9, 2048, 128, 4),
     "L16-R8-wide-tile": (16, 8, 8, 0.9, 2048, 256, 4),
     "L16-R16-two-wide-tiles": (16, 16, 8, 0.9, 1024, 256, 5),
+    "L16-R16-wide-tile-long-rows": (16, 16, 8, 0.1, 2048, 128, 5),
     "L16-R16-between-the-waves": (16, 16, 2, 0.9, 15 * sms, 64, 0),
     "L16-R4": (16, 4, 8, 0.9, 2048, 256, 4),
     "L12-R4": (12, 4, 8, 0.9, 2048, 256, 4),
