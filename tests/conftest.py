@@ -1,6 +1,8 @@
 """Shared fixtures and strategies: random SR-BCRS problems of awkward shapes."""
 
 import os
+import random
+from dataclasses import dataclass
 
 import torch
 
@@ -59,6 +61,77 @@ def reordered(p: SRBCRS, generator) -> dict[str, SRBCRS]:
             "reversed": with_row_order(p, p.row_order.flip(0))}
 
 
+# The fuzz tests' case count and seed (tests/test_*_fuzz_cuda.py).
+FUZZ_CASES = int(os.environ.get("MAGICUBE_FUZZ_CASES", "48"))
+FUZZ_SEED = int(os.environ.get("MAGICUBE_FUZZ_SEED", "0"))
+
+
+@dataclass
+class RandomPattern:
+    """One fuzz case's pattern: `rows` vector rows of V over `cols` columns, each keeping a random
+    share of them (the case's density, or, where rows vary, a density of its own between none and
+    twice that), with empty rows and a full one where drawn; its columns in any order the format
+    allows (bank order, ascending, int4-shuffled, or random), a row order, and the kernels' inputs
+    as views `offset` elements past a buffer's start (off the 16-byte boundaries that wide copies
+    like) with a `longest_row` hint that may be wrong."""
+    rows: int
+    cols: int
+    v: int
+    density: float
+    rows_vary: bool
+    full_row: bool
+    empty_rows: bool
+    shuffle: bool
+    bank_order: bool
+    columns_shuffled: bool
+    row_order: str
+    offset: int
+    hint: str
+    seed: int
+
+    @classmethod
+    def draw(cls, rng: random.Random, rows: int, cols: int, v: int) -> "RandomPattern":
+        return cls(rows, cols, v, density=rng.choice([0.005, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0]),
+                   rows_vary=rng.random() < 0.5, full_row=rng.random() < 0.3, empty_rows=rng.random() < 0.3,
+                   shuffle=rng.random() < 0.25, bank_order=rng.random() < 0.5,
+                   columns_shuffled=rng.random() < 0.15, row_order=rng.choice(["kept", "kept", "reversed", "shuffled"]),
+                   offset=rng.choice([0, 0, 0, 1, 2, 3]),
+                   hint=rng.choice(["exact", "exact", "unknown", "zero", "short", "long"]), seed=rng.randrange(1 << 30))
+
+    def build(self) -> tuple[SRBCRS, torch.Tensor]:
+        """The pattern (on the CPU) and its dense element mask."""
+        g = torch.Generator().manual_seed(self.seed)
+        density = torch.full((self.rows, 1), self.density)
+        if self.rows_vary:
+            density = (density * 2 * torch.rand(self.rows, 1, generator=g)).clamp(max=1.0)
+        mask = torch.rand(self.rows, self.cols, generator=g) < density
+        if self.empty_rows:
+            mask[torch.rand(self.rows, generator=g) < 0.2] = False
+        if self.full_row:
+            mask[int(torch.randint(self.rows, (1,), generator=g))] = True
+        vmask = VectorMask(mask, self.v)
+        p = SRBCRS.from_mask(vmask, stride=32, shuffle=self.shuffle, bank_order=self.bank_order)
+        if self.columns_shuffled:
+            p = with_columns_shuffled(p, g)
+        if self.row_order != "kept":
+            order = p.row_order.flip(0) if self.row_order == "reversed" else p.row_order[torch.randperm(self.rows,
+                                                                                                        generator=g)]
+            p = with_row_order(p, order)
+        return p, vmask.to_dense()
+
+    def longest_row(self, p: SRBCRS) -> int:
+        return {"exact": p.longest_row, "unknown": -1, "zero": 0, "short": p.longest_row // 2,
+                "long": p.longest_row + 100}[self.hint]
+
+    def view(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or self.offset == 0:
+            return t
+        buf = torch.empty(t.numel() + self.offset, dtype=t.dtype, device=t.device)
+        view = buf[self.offset:].view(t.shape)
+        view.copy_(t)
+        return view
+
+
 def load_kernels(family: str):
     """Build and load one kernel family; its ops are then under torch.ops.magicube_cuda."""
     from magicube.ops import extension
@@ -90,4 +163,5 @@ def imdb_source():
     return None
 
 
-__all__ = ["imdb_source", "load_kernels", "poison_allocator", "SRBCRS", "awkward_mask", "random_ints", "to_container", "problem"]
+__all__ = ["FUZZ_CASES", "FUZZ_SEED", "RandomPattern", "imdb_source", "load_kernels", "poison_allocator", "SRBCRS",
+           "awkward_mask", "random_ints", "to_container", "problem"]
