@@ -1,12 +1,13 @@
 """The registered ops on the CPU (the reference) against dense int64 / float64 computations."""
 
 import math
+import random
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import kept_slots, problem, random_ints
+from conftest import RandomPattern, kept_slots, problem, random_ints
 from magicube.ops import (SDDMM_BITS, SPMM_PAIRS, absmax_scale, from_container, quantize, sddmm, sparse_attention,
                           sparse_softmax, spmm, to_container)
 from magicube.ops.format import value_coordinates
@@ -47,6 +48,28 @@ def test_spmm_integer_pairs(a_bits, b_bits, a_signed, v, bh, rows, k, n, sparsit
     assert out.dtype == torch.float16 and torch.equal(out, _dequantized(a @ b, sa, sb))
     exact = (a.double() @ b.double()) * sa.double()[:, :, None] * sb.double()[:, None, :]
     assert torch.allclose(out.double(), exact, rtol=2e-3, atol=1e-7)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), v=V, rows=st.integers(1, 40), k=st.integers(1, 300))
+def test_random_patterns_of_the_fuzz_tests(seed, v, rows, k):
+    """conftest.RandomPattern, which the GPU fuzz tests draw their patterns from, builds what the
+    format accepts in any of its column and row orders and views, and the reference SpMM and SDDMM
+    over it equal the dense products on its element mask."""
+    rp = RandomPattern.draw(random.Random(seed), rows, k, v)
+    p, emask = rp.build()
+    assert emask.shape == (rows * v, k) and rp.longest_row(p) >= -1
+    g = torch.Generator().manual_seed(seed)
+    a = random_ints((2, p.m, k), 8, True, g) * emask
+    b = random_ints((2, k, 5), 8, True, g)
+    pattern = [rp.view(x) for x in (p.row_ptr, p.col_idx, p.row_order)]
+    got = torch.ops.magicube.spmm(*pattern, rp.view(to_container(p.pack_values(a), 8)), rp.view(to_container(b, 8)),
+                                  None, None, v, p.m, 8, True, 8, torch.int64, rp.longest_row(p))
+    assert torch.equal(got, a @ b)
+    q, kk = random_ints((2, p.m, 3), 8, True, g), random_ints((2, k, 3), 8, True, g)
+    got = torch.ops.magicube.sddmm(*pattern, to_container(q, 8), to_container(kk, 8), None, None, v, 8, torch.int64,
+                                   rp.longest_row(p))
+    assert torch.equal(p.to_dense(got), (q @ kk.transpose(1, 2)) * emask)
 
 
 @settings(max_examples=30, deadline=None)
