@@ -94,7 +94,7 @@ class RandomPattern:
         return cls(rows, cols, v, density=rng.choice([0.005, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0]),
                    rows_vary=rng.random() < 0.5, full_row=rng.random() < 0.3, empty_rows=rng.random() < 0.3,
                    shuffle=rng.random() < 0.25, bank_order=rng.random() < 0.5,
-                   columns_shuffled=rng.random() < 0.15, row_order=rng.choice(["kept", "kept", "reversed", "shuffled"]),
+                   columns_shuffled=rng.random() < 0.15, row_order=rng.choice(["built", "built", "reversed", "shuffled"]),
                    offset=rng.choice([0, 0, 0, 1, 2, 3]),
                    hint=rng.choice(["exact", "exact", "unknown", "zero", "short", "long"]), seed=rng.randrange(1 << 30))
 
@@ -113,17 +113,19 @@ class RandomPattern:
         p = SRBCRS.from_mask(vmask, stride=32, shuffle=self.shuffle, bank_order=self.bank_order)
         if self.columns_shuffled:
             p = with_columns_shuffled(p, g)
-        if self.row_order != "kept":
-            order = p.row_order.flip(0) if self.row_order == "reversed" else p.row_order[torch.randperm(self.rows,
-                                                                                                        generator=g)]
-            p = with_row_order(p, order)
+        if self.row_order == "reversed":
+            p = with_row_order(p, p.row_order.flip(0))
+        elif self.row_order == "shuffled":
+            p = with_row_order(p, p.row_order[torch.randperm(self.rows, generator=g)])
         return p, vmask.to_dense()
 
     def longest_row(self, p: SRBCRS) -> int:
+        """The hint the kernels get for p: its longest row, or wrong in one of four ways."""
         return {"exact": p.longest_row, "unknown": -1, "zero": 0, "short": p.longest_row // 2,
                 "long": p.longest_row + 100}[self.hint]
 
     def view(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """t as the kernels get it: a copy `offset` elements past the start of a larger buffer."""
         if t is None or self.offset == 0:
             return t
         buf = torch.empty(t.numel() + self.offset, dtype=t.dtype, device=t.device)
