@@ -61,6 +61,13 @@ def reordered(p: SRBCRS, generator) -> dict[str, SRBCRS]:
             "reversed": with_row_order(p, p.row_order.flip(0))}
 
 
+def shifted(t: torch.Tensor, elements: int) -> torch.Tensor:
+    """A copy of t that starts `elements` past the start of a larger buffer, as a slice would."""
+    buf = torch.empty(t.numel() + elements, dtype=t.dtype, device=t.device)
+    view = buf[elements:].view(t.shape)
+    view.copy_(t)
+    return view
+
 # The fuzz tests' case count and seed (tests/test_*_fuzz_cuda.py).
 FUZZ_CASES = int(os.environ.get("MAGICUBE_FUZZ_CASES", "48"))
 FUZZ_SEED = int(os.environ.get("MAGICUBE_FUZZ_SEED", "0"))
@@ -125,13 +132,8 @@ class RandomPattern:
                 "long": p.longest_row + 100}[self.hint]
 
     def view(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        """t as the kernels get it: a copy `offset` elements past the start of a larger buffer."""
-        if t is None or self.offset == 0:
-            return t
-        buf = torch.empty(t.numel() + self.offset, dtype=t.dtype, device=t.device)
-        view = buf[self.offset:].view(t.shape)
-        view.copy_(t)
-        return view
+        """t as the kernels get it: shifted by `offset` elements."""
+        return t if t is None or self.offset == 0 else shifted(t, self.offset)
 
 
 def load_kernels(family: str):
@@ -166,4 +168,4 @@ def imdb_source():
 
 
 __all__ = ["FUZZ_CASES", "FUZZ_SEED", "RandomPattern", "imdb_source", "load_kernels", "poison_allocator", "SRBCRS",
-           "awkward_mask", "random_ints", "to_container", "problem"]
+           "awkward_mask", "random_ints", "shifted", "to_container", "problem"]

@@ -89,7 +89,7 @@ def test_extremes(kernels, bits, v, ends):
         assert torch.equal(got, want)
 
 
-def _within_fp32_bound(got, p, a, b) -> bool:
+def within_fp32_bound(got, p, a, b) -> bool:
     """fp16 SDDMM values against the exact product: fp32 sums of K products (each exact in fp32)
     err by at most K * 2^-24 * sum|a b|, then one fp16 rounding; the reference obeys the same bound."""
     exact = p.pack_values(a.double() @ b.double().transpose(1, 2))
@@ -106,8 +106,8 @@ def test_fp16_within_fp32_accumulation_bound(kernels, v):
         a = torch.randn(bh, p.m, k, generator=g).half()
         b = torch.randn(bh, n, k, generator=g).half()
         got, want = _run(kernels, p, a, b, None, None, v, 16, torch.float16)
-        assert _within_fp32_bound(got, p, a, b), f"shape {(bh, rows, k, n)}"
-        assert _within_fp32_bound(want, p, a, b)
+        assert within_fp32_bound(got, p, a, b), f"shape {(bh, rows, k, n)}"
+        assert within_fp32_bound(want, p, a, b)
 
 
 def _check_random_operands(kernels, p, bh, n, k, v, bits, g, what, longest_row=-1):
@@ -117,7 +117,7 @@ def _check_random_operands(kernels, p, bh, n, k, v, bits, g, what, longest_row=-
         a = torch.randn(bh, p.m, k, generator=g).half()
         b = torch.randn(bh, n, k, generator=g).half()
         got, _ = _run(kernels, p, a, b, None, None, v, 16, torch.float16, longest_row)
-        assert _within_fp32_bound(got, p, a, b), what
+        assert within_fp32_bound(got, p, a, b), what
         return
     a = to_container(random_ints((bh, p.m, k), bits, True, g), bits)
     b = to_container(random_ints((bh, n, k), bits, True, g), bits)

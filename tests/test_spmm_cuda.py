@@ -9,7 +9,7 @@ fp32 accumulation plus one fp16 rounding, measured against a float64 product.
 import pytest
 import torch
 
-from conftest import load_kernels, poison_allocator, problem, random_ints, reordered, with_columns_shuffled
+from conftest import load_kernels, poison_allocator, problem, random_ints, reordered, shifted, with_columns_shuffled
 from magicube.ops import SRBCRS, VectorMask, qrange, to_container
 
 pytestmark = [pytest.mark.gpu,
@@ -341,10 +341,7 @@ def test_global_rows(kernels, a_bits, b_bits, a_signed):
 def _off16(t: torch.Tensor) -> torch.Tensor:
     """A CUDA copy of `t` that starts 4 bytes past a 16-byte boundary, as a slice of a larger
     buffer would."""
-    pad = 4 // t.element_size()
-    buf = torch.zeros(t.numel() + pad, dtype=t.dtype, device="cuda")
-    view = buf[pad:].view(t.shape)
-    view.copy_(t)
+    view = shifted(t.cuda(), 4 // t.element_size())
     assert view.data_ptr() % 16 == 4
     return view
 
@@ -368,6 +365,14 @@ def test_pattern_views_off_16_bytes(kernels, a_bits, b_bits, a_signed):
     assert torch.equal(got.cpu(), want)
 
 
+def within_fp16_bound(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """fp16 SpMM outputs against the exact product of a's dense [BH, M, K] and b: fp32 accumulation
+    of K terms, then one rounding to fp16 (half an ulp, 2^-11 relative)."""
+    exact = a.double() @ b.double()
+    bound = exact.abs() * 2.0**-11 + (a.double().abs() @ b.double().abs()) * a.shape[-1] * 2.0**-23 + 2.0**-24
+    return bool(((out.double() - exact).abs() <= bound).all())
+
+
 @pytest.mark.parametrize("n", [37, 6])
 def test_fp16_kernel_odd_rows(kernels, n):
     """fp16 output rows that do not admit paired stores (odd N) and N % 4 == 2."""
@@ -377,9 +382,7 @@ def test_fp16_kernel_odd_rows(kernels, n):
         a = (torch.randn(3, p.m, 150, generator=g) * emask).half()
         b = torch.randn(3, 150, n, generator=g).half()
         got, want = _run(kernels, p, p.pack_values(a), b, None, None, v, 16, True, 16, torch.float16)
-        exact = a.double() @ b.double()
-        bound = exact.abs() * 2.0**-11 + (a.double().abs() @ b.double().abs()) * 150 * 2.0**-23 + 2.0**-24
-        assert bool(((got.double() - exact).abs() <= bound).all()), f"v={v}"
+        assert within_fp16_bound(got, a, b), f"v={v}"
 
 
 @pytest.mark.parametrize("v", [2, 4, 8])
@@ -392,11 +395,8 @@ def test_fp16_kernel(kernels, v):
         a_values = p.pack_values(a)
         got, want = _run(kernels, p, a_values, b, None, None, v, 16, True, 16, torch.float16)
         assert got.dtype == torch.float16 and got.shape == want.shape
-        exact = a.double() @ b.double()
-        # fp32 accumulation (K terms) plus one rounding to fp16 (half an ulp, 2^-11 relative).
-        bound = exact.abs() * 2.0**-11 + (a.double().abs() @ b.double().abs()) * k * 2.0**-23 + 2.0**-24
-        assert bool(((got.double() - exact).abs() <= bound).all()), f"shape {(bh, rows * v, k, n)}"
-        assert bool(((want.double() - exact).abs() <= bound).all())
+        assert within_fp16_bound(got, a, b), f"shape {(bh, rows * v, k, n)}"
+        assert within_fp16_bound(want, a, b)
 
 
 def test_fp16_padding_is_not_read(kernels):

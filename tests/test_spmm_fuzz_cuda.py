@@ -21,6 +21,7 @@ import torch
 
 from conftest import FUZZ_CASES, FUZZ_SEED, RandomPattern, load_kernels, poison_allocator, random_ints
 from magicube.ops import reference, to_container
+from test_spmm_cuda import within_fp16_bound
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -79,10 +80,7 @@ def test_random_problem(kernels, monkeypatch, i):
         a = (torch.randn(bh, m, k, device="cuda", generator=g) * emask).half()
         b = torch.randn(bh, k, n, device="cuda", generator=g).half()
         got, _ = run(p.pack_values(a), b, None, None, (16, 16), torch.float16)
-        exact = a.double() @ b.double()
-        # fp32 accumulation (K terms) plus one rounding to fp16 (half an ulp, 2^-11 relative).
-        bound = exact.abs() * 2.0**-11 + (a.double().abs() @ b.double().abs()) * k * 2.0**-23 + 2.0**-24
-        assert bool(((got.double() - exact).abs() <= bound).all()), where
+        assert within_fp16_bound(got, a, b), where
         return
     a = random_ints((bh, m, k), a_bits, a_signed, g) * emask
     a_values = to_container(p.pack_values(a), a_bits, a_signed)
