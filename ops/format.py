@@ -167,6 +167,18 @@ class SRBCRS:
                              f"[{int(self.col_idx.min())}, {int(self.col_idx.max())}]")
         if not torch.equal(torch.sort(self.row_order.long()).values, torch.arange(rows, device=self.row_order.device)):
             raise ValueError(f"row_order: expected a permutation of the {rows} vector rows")
+        # Kernels find a row's kept slots from its count (the softmax reads col_idx only in the
+        # 8-slot group where the count ends), so padding may lie nowhere else.
+        row, _ = slot_coordinates(self.row_ptr, self.col_idx)
+        kept = torch.arange(self.nnz_pad, device=row.device) < ends[row]
+        if self.shuffled:
+            kept = kept[_shuffle_permutation(self.nnz_pad).to(row.device)]
+        wrong = (self.col_idx >= 0) != kept
+        if bool(wrong.any()):
+            r = int(row[wrong.nonzero()[0]])
+            raise ValueError(f"col_idx: vector row {r} must keep columns (>= 0) in exactly its first "
+                             f"{int(ends[r] - starts[r])} slots (row_ptr's count) and -1 in the rest"
+                             + (", before the int4 shuffle of every 8 slots" if self.shuffled else ""))
         object.__setattr__(self, "longest_row", int((ends - starts).max()) if rows else 0)
 
     @classmethod

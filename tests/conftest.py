@@ -41,11 +41,13 @@ def kept_slots(p: SRBCRS, r: int) -> torch.Tensor:
 
 
 def with_columns_shuffled(p: SRBCRS, generator) -> SRBCRS:
-    """p with each row's kept columns in a random order: from_mask lists them in bank order or
-    ascending, but SRBCRS accepts any order, so no kernel may rely on either."""
+    """p with each row's kept columns in a random order over its kept slots: from_mask lists them
+    in bank order or ascending, but SRBCRS accepts any order, so no kernel may rely on either."""
     col = p.col_idx.clone()
-    for s, e in zip(p.row_ptr[0::2].tolist(), p.row_ptr[1::2].tolist()):
-        col[s:e] = col[s:e][torch.randperm(e - s, generator=generator)]
+    starts = p.row_ptr[0::2].tolist()
+    for s, e in zip(starts, starts[1:] + [p.nnz_pad]):
+        kept = s + (col[s:e] >= 0).nonzero().flatten()  # with the int4 shuffle, not the first count slots
+        col[kept] = col[kept][torch.randperm(kept.numel(), generator=generator)]
     return SRBCRS(p.m, p.k, p.v, p.stride, p.row_ptr, col, p.row_order, p.shuffled)
 
 

@@ -207,3 +207,23 @@ def test_pattern_validation_names_the_bad_argument():
         p.pack_values(torch.zeros(16, 41))
     with pytest.raises(ValueError, match="values: expected last dimension"):
         p.to_dense(torch.zeros(3))
+
+
+def test_padding_lies_only_past_each_rows_count():
+    """A row's kept columns fill exactly its first (end - start) slots, in the slots' order before
+    the int4 shuffle: the kernels read which slots are kept from the count."""
+    p = SRBCRS.from_mask(random_vector_mask(16, 40, 4, 0.5, 0))  # 20 kept slots of 32 a row
+    fields = dict(m=p.m, k=p.k, v=p.v, stride=p.stride, row_ptr=p.row_ptr, row_order=p.row_order)
+    gap, extra = p.col_idx.clone(), p.col_idx.clone()
+    gap[[19, 20]] = gap[[20, 19]]  # row 0: -1 at slot 19, a column at slot 20
+    extra[2 * 32 + 25] = 3  # row 2: a column among the padding
+    for col, row in ((gap, 0), (extra, 2)):
+        with pytest.raises(ValueError, match=rf"col_idx: vector row {row} must keep columns \(>= 0\) in exactly its "
+                                             "first 20 slots"):
+            SRBCRS(**fields, col_idx=col)
+    shuffled = SRBCRS.from_mask(random_vector_mask(16, 40, 4, 0.5, 0), shuffle=True)
+    assert (shuffled.col_idx[16:24] < 0).tolist() == [False, True] * 4  # the group where the count ends
+    with pytest.raises(ValueError, match="vector row 0 must keep"):
+        SRBCRS(**fields, col_idx=shuffled.col_idx)  # the shuffled slots, read unshuffled
+    with pytest.raises(ValueError, match="before the int4 shuffle"):
+        SRBCRS(**fields, col_idx=p.col_idx, shuffled=True)
