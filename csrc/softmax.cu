@@ -140,14 +140,16 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
   };
-  // exp(x - m) = 2^(y - y_max) with y = value * scale * log2(e): the max
-  // element gets exactly 1 and each other one costs a subtract and an ex2.
-  const float c = scale * 1.4426950408889634f;
-  auto slot_y = [&](int u, int e) -> float {
+  // x = value * scale and d = x - max, each rounded, as the reference and the fused attention
+  // compute them. Folding log2(e) into the scale (y = value * scale * log2 e, then y - y_max) would
+  // round two large products instead, up to |x| 2^-23 relative in e at large scores, far from the
+  // reference's rounding. exp(d) = 2^(d log2 e) moves e by at most |d| 2^-24 relative (e |d| <= 1/e),
+  // ex2.approx by 2 ulp.
+  auto slot_x = [&](int u, int e) -> float {
     const uint4 q = mine[u][lane];
     const uint32_t words[4] = {q.x, q.y, q.z, q.w};
     const uint32_t hw = words[e >> 1] >> (16 * (e & 1));
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(hw & 0xFFFFu))) * c;
+    return __fmul_rn(__half2float(__ushort_as_half(static_cast<unsigned short>(hw & 0xFFFFu))), scale);
   };
 
   if (cached) load_chunk(first);
@@ -177,9 +179,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   };
   const auto add = [](float x, float y) { return x + y; };
 
-  // max(value * c) is value_max * c exactly (rounding is monotone), so the max
+  // max(value * scale) is value_max * scale exactly (rounding is monotone), so the max
   // is taken on the packed halves; a negative scale takes it on -value.
-  const uint32_t flip = c < 0.f ? 0x80008000u : 0u;
+  const uint32_t flip = scale < 0.f ? 0x80008000u : 0u;
   __half2 hmax = __halves2half2(__ushort_as_half(0xFC00u), __ushort_as_half(0xFC00u));
   for_each_chunk([&](int u, int chunk) {
     const uint32_t msk = kept_mask(chunk);
@@ -198,13 +200,16 @@ __global__ void __launch_bounds__(kWarps * 32)
   });
   float xmax = fmaxf(__low2float(hmax), __high2float(hmax));
   xmax = over_row(xmax, [](float x, float y) { return fmaxf(x, y); });
-  const float ymax = (flip ? -xmax : xmax) * c;
+  const float row_max = __fmul_rn(flip ? -xmax : xmax, scale);
+  constexpr float kLog2e = 1.4426950408889634f;
 
   constexpr float kQmax = OUT_BITS == 0 ? 0.f : static_cast<float>((1 << OUT_BITS) - 1);  // fp16 output: unused
   const int64_t out_row = bh * static_cast<int64_t>(num_vrows) * V + static_cast<int64_t>(vrow) * V + r;
   auto exps = [&](int u, uint32_t msk, float (&ev)[8]) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) ev[e] = (msk >> e & 1u) ? ex2(slot_y(u, e) - ymax) : 0.f;
+    for (int e = 0; e < 8; ++e) {
+      ev[e] = (msk >> e & 1u) ? ex2(__fmul_rn(__fsub_rn(slot_x(u, e), row_max), kLog2e)) : 0.f;
+    }
   };
 
   float sum = 0.f;
@@ -327,8 +332,6 @@ std::tuple<at::Tensor, at::Tensor> sparse_softmax_cuda(const at::Tensor& row_ptr
               ") must be a multiple of the stride ", kStride);
   MAGICUBE_CHECK(values.size(1) == nnz_pad * v, "sparse_softmax: values must have nnz_pad * v = ",
               nnz_pad * v, " columns, got ", values.size(1));
-  MAGICUBE_CHECK(reinterpret_cast<uintptr_t>(values.data_ptr()) % 16 == 0,
-              "sparse_softmax: values must be 16-byte aligned");
   const int64_t bh = values.size(0);
   MAGICUBE_CHECK(bh <= 65535 && num_vrows < INT32_MAX, "sparse_softmax: values is too large");
   const int64_t m = num_vrows * v;
@@ -346,8 +349,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_softmax_cuda(const at::Tensor& row_ptr
 
   // Long rows (long_rows.cuh) get a CTA each (the kernel's comment).
   const magicube::LongRows lr = magicube::long_rows(nnz_pad, num_vrows, longest_row, kStride);
+  const at::Tensor values16 = magicube::aligned16(values);  // the kernel's 16-byte loads
 #define MAGICUBE_SOFTMAX_DISPATCH(V) \
-  dispatch_bits<V>(out_bits, row_ptr, col_idx, row_order, lr, num_vrows, nnz_pad, bh, values, probs, row_scale, scale)
+  dispatch_bits<V>(out_bits, row_ptr, col_idx, row_order, lr, num_vrows, nnz_pad, bh, values16, probs, row_scale, scale)
   switch (v) {
     case 2: MAGICUBE_SOFTMAX_DISPATCH(2); break;
     case 4: MAGICUBE_SOFTMAX_DISPATCH(4); break;
