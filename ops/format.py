@@ -7,7 +7,8 @@ slots the V x S values row-major, so that a warp reads operand fragments contigu
 
     value of row i*V + r at slot p = start_i + j*S + c  ->  flat offset (start_i + j*S)*V + r*S + c
 
-Padding slots carry column -1 and value 0. One pattern is shared by every (batch x head);
+Padding slots carry column -1 and value 0 and follow a row's kept slots (the int4 shuffle aside,
+which permutes inside groups of 8 slots). One pattern is shared by every (batch x head);
 the values carry the leading batch dimension.
 """
 
@@ -124,7 +125,8 @@ class SRBCRS:
     row_ptr:   int32 [2*(M/V)], pairs (start of the padded vector row, start + kept count),
                in slots.
     col_idx:   int32 [nnz_pad], each vector row's kept columns (in bank order or ascending, see
-               from_mask; any order is valid), then -1 for padding.
+               from_mask; any order is valid), then -1 for padding (before the int4 shuffle,
+               if `shuffled`).
     row_order: int32 [M/V], vector rows by decreasing padded length, for load balance.
     longest_row: the most vectors a vector row keeps (derived), which lets a kernel know without
                reading the pattern on the GPU whether any row is long enough to need other work.
