@@ -169,8 +169,8 @@ class SRBCRS:
                              f"[{int(self.col_idx.min())}, {int(self.col_idx.max())}]")
         if not torch.equal(torch.sort(self.row_order.long()).values, torch.arange(rows, device=self.row_order.device)):
             raise ValueError(f"row_order: expected a permutation of the {rows} vector rows")
-        # Kernels find a row's kept slots from its count (the softmax reads col_idx only in the
-        # 8-slot group where the count ends), so padding may lie nowhere else.
+        # A kernel may find a row's kept slots from its count (the softmax does, reading col_idx
+        # only in the 8-slot group where the count ends), so padding may lie nowhere else.
         row, _ = slot_coordinates(self.row_ptr, self.col_idx)
         kept = torch.arange(self.nnz_pad, device=row.device) < ends[row]
         if self.shuffled:
