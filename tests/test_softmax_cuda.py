@@ -1,9 +1,11 @@
 """The CUDA sparse softmax against the reference (the CPU implementation of magicube::sparse_softmax).
 
-The kernel's exp and its summation order differ from the reference's by a few ulp, so:
-quantized probabilities may differ by one, and only where the exact e * qmax lies within a
-few ulp of a .5 tie; row scales and fp16 probabilities agree to a few ulp. Padding slots are
-filled with garbage in the inputs, which the kernel must ignore (col_idx == -1).
+The kernel rounds x = value * scale and x - max as the reference does; its exp and its summation
+order differ from the reference's by a few ulp, so: quantized probabilities may differ by one, and
+only where e * qmax (e of that rounded argument) lies within a few ulp of a .5 tie; fp16
+probabilities agree to a few ulp; row scales lie within 1e-5 of the float64 sum of those e, or
+within twice the reference's own distance from it (its float32 sum drifts on long rows). Padding
+slots are filled with garbage in the inputs, which the kernel must ignore (col_idx == -1).
 """
 
 import math
