@@ -91,7 +91,7 @@ def sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits, long
     row, col = value_coordinates(row_ptr, col_idx, v, OP_STRIDE)
     keep = (col >= 0).expand(bh, -1)
     index = row.expand(bh, -1)
-    x = values.float() * scale
+    x = values.float() * scale  # x and x - max each rounded to fp32: both CUDA kernels round them so
     # The max skips NaN (as fmaxf does) but the row does not: a NaN score, an infinite one (inf - inf)
     # or a row of -inf alone (-inf + inf) gives a NaN e, so a NaN sum, NaN fp16 probabilities and a
     # NaN row scale, and the row's output is NaN, as a dense softmax's would be.
