@@ -73,6 +73,13 @@ def shifted(t: torch.Tensor, elements: int) -> torch.Tensor:
 # The fuzz tests' case count and seed (tests/test_*_fuzz_cuda.py).
 FUZZ_CASES = int(os.environ.get("MAGICUBE_FUZZ_CASES", "48"))
 FUZZ_SEED = int(os.environ.get("MAGICUBE_FUZZ_SEED", "0"))
+FUZZ_SIZES = [64, 512, 2048, 4608]  # the fuzz cases' largest rows and columns
+
+
+def fuzz_extent(rng: random.Random, v: int) -> tuple[int, int]:
+    """A fuzz case's vector rows (of V) and columns, each from one up to one of FUZZ_SIZES elements."""
+    rows = rng.randint(1, max(1, rng.choice(FUZZ_SIZES) // v))
+    return rows, rng.randint(1, rng.choice(FUZZ_SIZES))
 
 
 @dataclass
@@ -103,7 +110,8 @@ class RandomPattern:
         return cls(rows, cols, v, density=rng.choice([0.005, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0]),
                    rows_vary=rng.random() < 0.5, full_row=rng.random() < 0.3, empty_rows=rng.random() < 0.3,
                    shuffle=rng.random() < 0.25, bank_order=rng.random() < 0.5,
-                   columns_shuffled=rng.random() < 0.15, row_order=rng.choice(["built", "built", "reversed", "shuffled"]),
+                   columns_shuffled=rng.random() < 0.15,
+                   row_order=rng.choice(["built", "built", "reversed", "shuffled"]),
                    offset=rng.choice([0, 0, 0, 1, 2, 3]),
                    hint=rng.choice(["exact", "exact", "unknown", "zero", "short", "long"]), seed=rng.randrange(1 << 30))
 

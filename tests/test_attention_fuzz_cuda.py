@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from conftest import FUZZ_CASES, FUZZ_SEED, RandomPattern, load_kernels, poison_allocator
+from conftest import FUZZ_CASES, FUZZ_SEED, RandomPattern, fuzz_extent, load_kernels, poison_allocator
 from test_attention_cuda import PAIRS, check, heads_flat, make_inputs, to_cuda
 
 pytestmark = [pytest.mark.gpu,
@@ -29,8 +29,7 @@ def _case(i: int) -> dict:
     rng = random.Random(f"attention-{FUZZ_SEED}-{i}")
     p_bits, qk_bits = rng.choice(PAIRS)
     v = rng.choice([2, 4, 8])
-    rows = rng.randint(1, max(1, rng.choice([64, 512, 2048, 4608]) // v))
-    n = rng.randint(1, rng.choice([64, 512, 2048, 4608]))
+    rows, n = fuzz_extent(rng, v)
     heads = rng.choice([1, 1, 2, 3, 4])
     batch = max(1, min(rng.choice([1, 2, 4]), ELEMENTS // (heads * rows * v * n)))
     return dict(p_bits=p_bits, qk_bits=qk_bits, d=rng.choice([32, 64, 128]), heads=heads, bh=batch * heads,

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from conftest import FUZZ_CASES, FUZZ_SEED, RandomPattern, load_kernels, poison_allocator, random_ints
+from conftest import FUZZ_CASES, FUZZ_SEED, RandomPattern, fuzz_extent, load_kernels, poison_allocator, random_ints
 from magicube.ops import reference, to_container
 from test_sddmm_cuda import within_fp32_bound
 
@@ -28,8 +28,7 @@ def _case(i: int) -> dict:
     rng = random.Random(f"sddmm-{FUZZ_SEED}-{i}")
     bits = rng.choice([16, 8, 4, 0])
     v = rng.choice([2, 4, 8])
-    rows = rng.randint(1, max(1, rng.choice([64, 512, 2048, 4608]) // v))
-    n = rng.randint(1, rng.choice([64, 512, 2048, 4608]))
+    rows, n = fuzz_extent(rng, v)
     k = rng.choice([1, 2, 7, 16, 32, 33, 40, 64, 72, 96, 128, 130, 256, 300, 1000, 4096])
     k += k % 2 if bits == 4 else 0  # 4-bit operands pack two values a byte
     bh = rng.choice([1, 1, 1, 2, 3, 5, 8, 12, 24, 40])
@@ -68,7 +67,8 @@ def test_random_problem(kernels, i):
     a = to_container(random_ints((bh, m, k), bits, True, g), bits)
     b = to_container(random_ints((bh, n, k), bits, True, g), bits)
     got, want = run(a, b, None, None, torch.int64)
-    assert got.shape == want.shape and torch.equal(got, want), f"{where}: {(got != want).sum()} of {want.numel()} differ"
+    assert got.shape == want.shape and torch.equal(got, want), \
+        f"{where}: {(got != want).sum()} of {want.numel()} differ"
     sa = (torch.rand(bh, m, device="cuda", generator=g) + 0.01) / 2 ** (bits - 1)
     sb = (torch.rand(bh, n, device="cuda", generator=g) + 0.01) / 2 ** (bits - 1)
     got, want = run(a, b, sa, sb, torch.float16)

@@ -19,7 +19,7 @@ import random
 import pytest
 import torch
 
-from conftest import FUZZ_CASES, FUZZ_SEED, RandomPattern, load_kernels, poison_allocator, random_ints
+from conftest import FUZZ_CASES, FUZZ_SEED, FUZZ_SIZES, RandomPattern, load_kernels, poison_allocator, random_ints
 from magicube.ops import reference, to_container
 from test_spmm_cuda import within_fp16_bound
 
@@ -41,7 +41,7 @@ def _case(i: int) -> dict:
     rng = random.Random(f"{FUZZ_SEED}-{i}")
     a_bits, b_bits, a_signed = rng.choice(KINDS)
     v = rng.choice([2, 4, 8])
-    size = rng.choice([64, 512, 2048, 4608])
+    size = rng.choice(FUZZ_SIZES)
     rows = rng.randint(1, max(1, size // v))
     k = rng.randint(1, size)
     bh = max(1, min(rng.choice([1, 1, 1, 2, 3, 5, 8, 12, 24, 40]), ELEMENTS // (rows * v * k)))
@@ -86,7 +86,8 @@ def test_random_problem(kernels, monkeypatch, i):
     a_values = to_container(p.pack_values(a), a_bits, a_signed)
     b = to_container(random_ints((bh, k, n), b_bits, True, g), b_bits)
     got, want = run(a_values, b, None, None, (a_bits, b_bits), torch.int64)
-    assert got.shape == want.shape and torch.equal(got, want), f"{where}: {(got != want).sum()} of {want.numel()} differ"
+    assert got.shape == want.shape and torch.equal(got, want), \
+        f"{where}: {(got != want).sum()} of {want.numel()} differ"
     sa = (torch.rand(bh, m, device="cuda", generator=g) + 0.01) / 2 ** (a_bits - 1)
     sb = (torch.rand(bh, n, device="cuda", generator=g) + 0.01) / 2 ** (b_bits - 1)
     got, want = run(a_values, b, sa, sb, (a_bits, b_bits), torch.float16)
