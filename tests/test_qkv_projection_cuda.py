@@ -9,7 +9,7 @@ random data the order can move fp16(x @ W^T + b) by its last bit, rarely.
 import pytest
 import torch
 
-from conftest import poison_allocator
+from conftest import poison_allocator, shifted
 from magicube import ops
 from magicube.ops import qkv_gemm
 from magicube.ops import quant
@@ -149,3 +149,25 @@ def test_graph_capture_and_stream():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_containers_past_2_to_the_31_elements(bits):
+    """A container of more than 2^31 elements, which the kernel addresses with 64-bit offsets (V's
+    plane lies wholly past 2^31): every element equals the cuBLAS-and-quantize path's, and the first
+    and the last rows equal the reference's."""
+    B, E, heads = 2, 256, 4
+    T = (1 << 30) // (B * E) + 77  # 3 x 2^30 elements and more; T fills no row tile
+    g = torch.Generator(device="cuda").manual_seed(bits)
+    x = torch.randint(-8, 9, (B, T, E), generator=g, device="cuda", dtype=torch.int8).half()
+    w, b = (t.cuda() for t in _integer_problem(1, 1, E, heads, torch.Generator().manual_seed(bits))[1:])
+    scale = (torch.rand(3, heads, generator=torch.Generator().manual_seed(bits)) + 0.5) * (4 if bits == 8 else 1)
+    assert qkv_gemm.supports(x, w)
+    got = ops.qkv_projection(x, w, b, scale.cuda(), heads=heads, bits=bits)
+    assert got.numel() > 2**31 + 2**30
+    unfused = ops.qkv_projection(shifted(x, 1), w, b, scale.cuda(), heads=heads, bits=bits)  # rows off 16 bytes
+    assert torch.equal(got, unfused)
+    del unfused
+    for batch, rows in ((0, slice(0, 300)), (B - 1, slice(T - 300, T))):
+        want = _reference(x[batch:batch + 1, rows], w, b, scale, heads, bits)
+        assert torch.equal(got[:, batch * heads:(batch + 1) * heads, rows].cpu(), want)
