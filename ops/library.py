@@ -299,16 +299,17 @@ CHECKS = {"quantize": check_quantize, "qkv_projection": check_qkv_projection, "s
 
 def _qkv_projection_cuda(x, weight, bias, scale, heads, bits):
     """The Triton GEMM with the quantization in its epilogue; elsewhere (no Triton, rows off 16
-    bytes) the projection by cuBLAS and then the one-pass quantize kernel."""
+    bytes) the projection by cuBLAS in fp32 and then the one-pass quantize kernel."""
     shape = check_qkv_projection(x, weight, bias, scale, heads, bits)
     if qkv_gemm.supports(x, weight):
         out = x.new_empty(shape, dtype=container_dtype(bits))
         return qkv_gemm.qkv_projection(x, weight, bias, scale, heads, bits, out)
     from .functional import quantize_to_container  # (functional imports this module)
 
-    b, t, e = x.shape
-    y = torch.nn.functional.linear(x, weight, bias).view(b, t, 3, heads, e // heads).permute(2, 0, 3, 1, 4)
-    return quantize_to_container(y, scale.view(3, 1, heads, 1, 1), bits).view(3, b * heads, t, -1)
+    # The reference's fp32 GEMM: an fp16 one may sum in fp16 (cuBLAS's align1 kernels do where
+    # allow_fp16_reduced_precision_reduction is on, PyTorch's default), overflowing past 65504.
+    y = reference.projection_heads(x, weight, bias, heads)
+    return quantize_to_container(y, scale.view(3, 1, heads, 1, 1), bits).view(3, x.shape[0] * heads, x.shape[1], -1)
 
 
 # CUDA implementations that are not a kernel of csrc/

@@ -135,7 +135,15 @@ def quantize(x, scale, bits, is_signed):
 
 
 def qkv_projection(x, weight, bias, scale, heads, bits):
+    b = x.shape[0]
+    y = projection_heads(x, weight, bias, heads)
+    return quantize_to_container(y, scale.view(3, 1, heads, 1, 1), bits).reshape(3, b * heads, x.shape[1], -1)
+
+
+def projection_heads(x, weight, bias, heads):
+    """fp16(x @ weight^T + bias) summed in fp32 and rounded once, as a [3, B, heads, T, E / heads]
+    view of Q, K and V (the CUDA op's path without Triton takes it too: every fp16 value is exact in
+    fp32 and TF32, where an fp16 GEMM may sum in fp16)."""
     b, t, e = x.shape
     y = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float()).half()
-    y = y.view(b, t, 3, heads, e // heads).permute(2, 0, 3, 1, 4)  # [3, B, H, T, d]
-    return quantize_to_container(y, scale.view(3, 1, heads, 1, 1), bits).reshape(3, b * heads, t, -1)
+    return y.view(b, t, 3, heads, e // heads).permute(2, 0, 3, 1, 4)
