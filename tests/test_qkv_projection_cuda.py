@@ -155,7 +155,9 @@ def test_graph_capture_and_stream():
 def test_containers_past_2_to_the_31_elements(bits):
     """A container of more than 2^31 elements, which the kernel addresses with 64-bit offsets (V's
     plane lies wholly past 2^31): every element equals the cuBLAS-and-quantize path's, and the first
-    and the last rows equal the reference's."""
+    and the last rows equal the reference's. The unfused path's fp32 projection peaks near 35 GB."""
+    if torch.cuda.get_device_properties(0).total_memory < 48 << 30:
+        pytest.skip("needs a device of 48 GB")
     B, E, heads = 2, 256, 4
     T = (1 << 30) // (B * E) + 77  # 3 x 2^30 elements and more; T fills no row tile
     g = torch.Generator(device="cuda").manual_seed(bits)
