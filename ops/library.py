@@ -306,8 +306,8 @@ def _qkv_projection_cuda(x, weight, bias, scale, heads, bits):
         return qkv_gemm.qkv_projection(x, weight, bias, scale, heads, bits, out)
     from .functional import quantize_to_container  # (functional imports this module)
 
-    # The reference's fp32 GEMM: an fp16 one may sum in fp16 (cuBLAS's align1 kernels do where
-    # allow_fp16_reduced_precision_reduction is on, PyTorch's default), overflowing past 65504.
+    # The reference's fp32 GEMM: an fp16 one may sum in fp16 (cuBLAS took such a kernel for an x off
+    # 16 bytes under allow_fp16_reduced_precision_reduction, PyTorch's default), overflowing past 65504.
     y = reference.projection_heads(x, weight, bias, heads)
     return quantize_to_container(y, scale.view(3, 1, heads, 1, 1), bits).view(3, x.shape[0] * heads, x.shape[1], -1)
 

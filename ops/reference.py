@@ -135,9 +135,9 @@ def quantize(x, scale, bits, is_signed):
 
 
 def qkv_projection(x, weight, bias, scale, heads, bits):
-    b = x.shape[0]
+    b, t, _ = x.shape
     y = projection_heads(x, weight, bias, heads)
-    return quantize_to_container(y, scale.view(3, 1, heads, 1, 1), bits).reshape(3, b * heads, x.shape[1], -1)
+    return quantize_to_container(y, scale.view(3, 1, heads, 1, 1), bits).reshape(3, b * heads, t, -1)
 
 
 def projection_heads(x, weight, bias, heads):
