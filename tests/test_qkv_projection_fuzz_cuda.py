@@ -2,8 +2,8 @@
 
 Every case draws its own (seeded by its number): the container (16, 8 or 4 bits), a head dim of 2
 to 256 and 1 to 16 heads (E from 2 to 1024: rows that fill no tile, heads that straddle tiles or
-share one, E off 8 elements), B and T (row tiles across batches), a bias or none, x and W stored
-off 16 bytes (which sends them from the Triton kernel to cuBLAS and the quantize pass), and scales
+share one, E off 8 elements, which sends them from the Triton kernel to cuBLAS and the quantize
+pass), B and T (row tiles across batches), a bias or none, x and W stored off 16 bytes, and scales
 per (Q/K/V, head) fitted to the data's range, at powers of two, or outside [2^-60, 2^60] (the
 kernel's full division), a few zero or negative. The data are small integers times a power of
 two, so that every partial sum of x @ W^T + b is exact in fp32 and any accumulation order gives
