@@ -18,7 +18,7 @@ import torch
 
 from conftest import FUZZ_CASES, FUZZ_SEED, poison_allocator, shifted
 from magicube import ops
-from magicube.ops import quant
+from magicube.ops import qkv_gemm, quant
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -81,13 +81,17 @@ def test_random_problem(i):
     _check(FUZZ_SEED, i)
 
 
-# (seed, case) of wider runs that found a fault, run every time. (1, 13): x off 16 bytes, whose fp16
-# GEMM cuBLAS ran on a kernel that sums in fp16 (infinities for 43,392), now run in fp32.
+# (seed, case) of wider runs that found a fault, run every time on both paths. (1, 13): x off 16
+# bytes, whose fp16 GEMM on the unfused path cuBLAS ran on a kernel that sums in fp16 (infinities
+# for 43,392), now run in fp32; such an x now reaches the fused kernel as a copy.
 FOUND_FAULTS = [(1, 13)]
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("seed, i", FOUND_FAULTS)
-def test_case_that_found_a_fault(seed, i):
+def test_case_that_found_a_fault(seed, i, fused, monkeypatch):
+    if not fused:
+        monkeypatch.setattr(qkv_gemm, "supports", lambda e: False)
     _check(seed, i)
 
 
