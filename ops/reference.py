@@ -142,8 +142,8 @@ def qkv_projection(x, weight, bias, scale, heads, bits):
 
 def projection_heads(x, weight, bias, heads):
     """fp16(x @ weight^T + bias) summed in fp32 and rounded once, as a [3, B, heads, T, E / heads]
-    view of Q, K and V (the CUDA op's path without Triton takes it too: every fp16 value is exact in
-    fp32 and TF32, where an fp16 GEMM may sum in fp16)."""
+    view of Q, K and V (the CUDA op's unfused path takes it too: every fp16 value is exact in fp32 and
+    TF32, where an fp16 GEMM may sum in fp16)."""
     b, t, e = x.shape
     y = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float()).half()
     return y.view(b, t, 3, heads, e // heads).permute(2, 0, 3, 1, 4)

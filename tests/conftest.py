@@ -70,6 +70,7 @@ def shifted(t: torch.Tensor, elements: int) -> torch.Tensor:
     view.copy_(t)
     return view
 
+
 # The fuzz tests' case count and seed (tests/test_*_fuzz_cuda.py).
 FUZZ_CASES = int(os.environ.get("MAGICUBE_FUZZ_CASES", "48"))
 FUZZ_SEED = int(os.environ.get("MAGICUBE_FUZZ_SEED", "0"))
