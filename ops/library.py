@@ -298,10 +298,10 @@ CHECKS = {"quantize": check_quantize, "qkv_projection": check_qkv_projection, "s
 # Implementations.
 
 def _qkv_projection_cuda(x, weight, bias, scale, heads, bits):
-    """The Triton GEMM with the quantization in its epilogue; elsewhere (no Triton, or rows of x that
-    are not whole 16-byte chunks) the projection by cuBLAS in fp32 and then the one-pass quantize kernel."""
+    """The Triton GEMM with the quantization in its epilogue; without Triton, the projection by cuBLAS
+    in fp32 and then the one-pass quantize kernel."""
     shape = check_qkv_projection(x, weight, bias, scale, heads, bits)
-    if qkv_gemm.supports(x.shape[2]):
+    if qkv_gemm.available():
         out = x.new_empty(shape, dtype=container_dtype(bits))
         return qkv_gemm.qkv_projection(x, weight, bias, scale, heads, bits, out)
     from .functional import quantize_to_container  # (functional imports this module)

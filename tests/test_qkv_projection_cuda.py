@@ -17,7 +17,7 @@ from magicube.ops import quant
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 # (B, T, E, heads): the target's head dim 64; rows and columns that fill no tile; one row; head dims of
-# 40 and 8 (vector stores of 8 bytes), 6 (E 30: rows off 16 bytes, the fallback), 5 (odd: 8 and 16 bits only;
+# 40 and 8 (vector stores of 8 bytes), 6 (E 30: rows off 16 bytes, padded), 5 (odd: 8 and 16 bits only;
 # byte stores); 16, 128 and 256 (tiles of 8 heads, of one, and one head over two tiles: a tile's scales
 # as scalars where it holds 1 to 8 whole heads, per column otherwise)
 SHAPES = [(2, 256, 256, 4), (3, 100, 96, 3), (1, 1, 128, 2), (2, 131, 320, 8), (1, 77, 48, 6), (2, 9, 30, 5),
@@ -109,27 +109,31 @@ def test_overflow_nan_and_scales_off_the_fast_path(bits):
         assert torch.equal(got.cpu(), want), s
 
 
-def test_the_triton_kernel_serves_rows_of_whole_16_byte_chunks(monkeypatch):
-    """The CUDA op runs the fused kernel where rows of x and W are whole 16-byte chunks (E % 8 = 0),
-    on copies where x or W start off 16 bytes, and cuBLAS with the quantize pass otherwise (E = 36),
-    with the same result."""
-    if not qkv_gemm.supports(8):
+def test_the_triton_kernel_serves_every_start_and_row_length(monkeypatch):
+    """The CUDA op runs the fused kernel on x and W that start off 16 bytes (copied) and on rows that
+    are not whole 16-byte chunks (E 36, padded), with the result of aligned operands and that of the
+    unfused path (cuBLAS in fp32 and the quantize pass, which serves a torch without Triton)."""
+    if not qkv_gemm.available():
         pytest.skip("no Triton with tensor descriptors")
     calls = []
     launch = qkv_gemm.qkv_projection
-    monkeypatch.setattr(qkv_gemm, "qkv_projection", lambda *a: calls.append((a[0].shape[2], a[5])) or launch(*a))
+    monkeypatch.setattr(qkv_gemm, "qkv_projection", lambda *a: calls.append(a[0].shape[2]) or launch(*a))
     scale = torch.rand(3, 2, device="cuda") + 0.5
+    fused = {}
     for e in (32, 36):
-        x, w, b = (t.cuda() for t in _integer_problem(1, 16, e, 2, torch.Generator().manual_seed(0)))
+        x, w, b = (t.cuda() for t in _integer_problem(1, 16, e, 2, torch.Generator().manual_seed(e)))
         for bits in (8, 16, 4):
-            ops.qkv_projection(x, w, b, scale, heads=2, bits=bits)
-    assert calls == [(32, 8), (32, 16), (32, 4)]
-    x, w, b = (t.cuda() for t in _integer_problem(1, 16, 32, 2, torch.Generator().manual_seed(1)))
-    want = ops.qkv_projection(x, w, b, scale, heads=2, bits=8)
-    for x_off, w_off in ((shifted(x, 1), w), (x, shifted(w, 4)), (shifted(x, 3), shifted(w, 1))):
-        assert x_off.data_ptr() % 16 or w_off.data_ptr() % 16
-        assert torch.equal(ops.qkv_projection(x_off, w_off, b, scale, heads=2, bits=8), want)
-    assert len(calls) == 7
+            fused[e, bits] = ops.qkv_projection(x, w, b, scale, heads=2, bits=bits)
+        for x_off, w_off in ((shifted(x, 1), w), (x, shifted(w, 4)), (shifted(x, 3), shifted(w, 1))):
+            assert x_off.data_ptr() % 16 or w_off.data_ptr() % 16
+            assert torch.equal(ops.qkv_projection(x_off, w_off, b, scale, heads=2, bits=8), fused[e, 8])
+    assert calls == [32] * 6 + [36] * 6
+    monkeypatch.setattr(qkv_gemm, "available", lambda: False)
+    for e, bits in fused:
+        x, w, b = (t.cuda() for t in _integer_problem(1, 16, e, 2, torch.Generator().manual_seed(e)))
+        assert torch.equal(ops.qkv_projection(x, w, b, scale, heads=2, bits=bits), fused[e, bits]), (e, bits)
+    assert len(calls) == 12
+    assert any((v != 0).any() for v in fused.values())
 
 
 def test_opcheck_on_cuda():
@@ -166,11 +170,11 @@ def test_containers_past_2_to_the_31_elements(bits, monkeypatch):
     x = torch.randint(-8, 9, (B, T, E), generator=g, device="cuda", dtype=torch.int8).half()
     w, b = (t.cuda() for t in _integer_problem(1, 1, E, heads, torch.Generator().manual_seed(bits))[1:])
     scale = (torch.rand(3, heads, generator=torch.Generator().manual_seed(bits)) + 0.5) * (4 if bits == 8 else 1)
-    if not qkv_gemm.supports(E):
+    if not qkv_gemm.available():
         pytest.skip("no Triton with tensor descriptors")
     got = ops.qkv_projection(x, w, b, scale.cuda(), heads=heads, bits=bits)
     assert got.numel() > 2**31 + 2**30
-    monkeypatch.setattr(qkv_gemm, "supports", lambda e: False)
+    monkeypatch.setattr(qkv_gemm, "available", lambda: False)
     unfused = ops.qkv_projection(x, w, b, scale.cuda(), heads=heads, bits=bits)
     assert torch.equal(got, unfused)
     del unfused

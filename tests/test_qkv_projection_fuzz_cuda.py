@@ -1,13 +1,13 @@
 """The CUDA Q/K/V projection on random problems, bit-exact against the reference.
 
-Every case draws its own (seeded by its number): the container (16, 8 or 4 bits), a head dim of 2
-to 256 and 1 to 16 heads (E from 2 to 1024: rows that fill no tile, heads that straddle tiles or
-share one, E off 8 elements, which sends them from the Triton kernel to cuBLAS and the quantize
-pass), B and T (row tiles across batches), a bias or none, x and W stored off 16 bytes, and scales
-per (Q/K/V, head) fitted to the data's range, at powers of two, or outside [2^-60, 2^60] (the
-kernel's full division), a few zero or negative. The data are small integers times a power of
-two, so that every partial sum of x @ W^T + b is exact in fp32 and any accumulation order gives
-the reference's fp16 projection; the containers must then match bit for bit.
+Every case draws its own (seeded by its number): the container (16, 8 or 4 bits), a head dim of 2 to
+256 and 1 to 16 heads (E from 2 to 1024: rows that fill no tile, heads that straddle tiles or share
+one, E off 8 elements, which the kernel reads padded with zeros), B and T (row tiles across
+batches), a bias or none, x and W stored off 16 bytes, and scales per (Q/K/V, head) fitted to the
+data's range, at powers of two, or outside [2^-60, 2^60] (the kernel's full division), a few zero or
+negative. The data are small integers times a power of two, so that every partial sum of x @ W^T + b
+is exact in fp32 and any accumulation order gives the reference's fp16 projection; the containers
+must then match bit for bit.
 `MAGICUBE_FUZZ_CASES` and `MAGICUBE_FUZZ_SEED` widen a run, as for tests/test_spmm_fuzz_cuda.py.
 """
 
@@ -91,7 +91,7 @@ FOUND_FAULTS = [(1, 13)]
 @pytest.mark.parametrize("seed, i", FOUND_FAULTS)
 def test_case_that_found_a_fault(seed, i, fused, monkeypatch):
     if not fused:
-        monkeypatch.setattr(qkv_gemm, "supports", lambda e: False)
+        monkeypatch.setattr(qkv_gemm, "available", lambda: False)
     _check(seed, i)
 
 
