@@ -124,8 +124,7 @@ if triton is not None:
             cols = rn.to(tl.int64) if WIDE else rn
             row_off = (rows // T) * (H * T * Dc) + (rows % T) * Dc
             col_off = (cols // E) * plane + ((cols % E) // D) * (T * Dc) + (cols % D) * Dc // D
-            # Runs of VEC elements (a divisor of Dc) lie in one head's row, as these hints say (Triton 3.6
-            # still stores one byte at a time from the MMA layout: kernel_checks, eighty-first round).
+            # Runs of VEC elements (a divisor of Dc) lie in one head's row: vector stores, not bytes.
             row_off = tl.multiple_of(row_off, VEC)
             col_off = tl.max_contiguous(tl.multiple_of(col_off, VEC), VEC)
             mask = (rm < M)[:, None] & (rc < 3 * H * Dc)[None, :]
@@ -147,7 +146,7 @@ def _tma_operand(t: torch.Tensor) -> torch.Tensor:
     part of its last 64-wide step, and TMA fills past it with zeros as well). H200, T 4096, int8,
     against cuBLAS in fp32 and the quantize pass (the path without Triton): B 8, E 256, 51.8 us with
     x copied (35.6 aligned) against 396; B 2, E 516 padded, 70 against 602; B 8, E 252, 474 against
-    773 (head rows of an odd number of bytes run slowly; E 256 takes 35)."""
+    773 (its head dim of 63 takes byte stores)."""
     pad = -t.shape[1] % 8
     if pad == 0 and t.data_ptr() % 16 == 0:
         return t
