@@ -45,6 +45,12 @@ def available() -> bool:
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
 NUM_WARPS, NUM_STAGES, CTAS_PER_SM = 4, 3, 2
 
+# Head rows of an odd number of elements (VEC 1) give the store's pointers runs of one element along
+# both axes. Triton before 3.7 breaks that tie by giving neighbouring threads neighbouring rows:
+# each warp store then writes 32 rows a byte apiece, and each thread holds a row's 128 column
+# offsets, spilled. The kernel then stores the transposed tile, whose first axis is the columns.
+_TIES_GO_TO_ROWS = triton is not None and tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)
+
 if triton is not None:
 
     @triton.jit
@@ -89,7 +95,8 @@ if triton is not None:
     @triton.jit
     def _qkv_quantize_kernel(x_desc, w_desc, b_ptr, s_ptr, out_ptr, M, T,
                              E: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-                             HAS_BIAS: tl.constexpr, WIDE: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, WIDE: tl.constexpr, SMALL_T: tl.constexpr, VEC: tl.constexpr,
+                             COLUMNS_FIRST: tl.constexpr, PDL: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         n_tiles: tl.constexpr = (3 * E + BLOCK_N - 1) // BLOCK_N
         # container [3, B, H, T, Dc]: row m = (b, t), column n = (Q/K/V, h, dd); Dc = D / 2 at 4 bits
@@ -120,15 +127,26 @@ if triton is not None:
             else:
                 q = q.to(out_ptr.dtype.element_ty)
             rc = pid_n * (BLOCK_N * Dc // D) + tl.arange(0, BLOCK_N * Dc // D)  # the container's columns
-            rows = rm.to(tl.int64) if WIDE else rm
+            # Row m0 + r = (b, t) and column n = (Q/K/V, h, dd) lie at (Q/K/V) plane + (b H + h) T Dc + t Dc +
+            # dd: the tile's first row's offset and the column's, plus r Dc, plus (H - 1) T Dc for each
+            # batch boundary passed. In that form r Dc becomes the stores' immediate offsets; a vector of
+            # row offsets per thread spilled where a thread holds a column (VEC 1).
+            m0 = tl.cast(pid_m, tl.int64) * BLOCK_M if WIDE else pid_m * BLOCK_M
+            t0 = m0 % T
+            r = tl.arange(0, BLOCK_M)
+            boundaries = ((t0 + r) // T if SMALL_T else t0 + r >= T).to(tl.int32)  # T >= BLOCK_M: one at most
+            row_off = r * Dc + boundaries * ((H - 1) * T * Dc)
             cols = rn.to(tl.int64) if WIDE else rn
-            row_off = (rows // T) * (H * T * Dc) + (rows % T) * Dc
-            col_off = (cols // E) * plane + ((cols % E) // D) * (T * Dc) + (cols % D) * Dc // D
+            col_off = ((m0 // T) * (H * T * Dc) + t0 * Dc + (cols // E) * plane + ((cols % E) // D) * (T * Dc)
+                       + (cols % D) * Dc // D)
             # Runs of VEC elements (a divisor of Dc) lie in one head's row: vector stores, not bytes.
             row_off = tl.multiple_of(row_off, VEC)
-            col_off = tl.max_contiguous(tl.multiple_of(col_off, VEC), VEC)
+            col_ptr = out_ptr + tl.max_contiguous(tl.multiple_of(col_off, VEC), VEC)
             mask = (rm < M)[:, None] & (rc < 3 * H * Dc)[None, :]
-            tl.store(out_ptr + row_off[:, None] + col_off[None, :], q, mask=mask)
+            if COLUMNS_FIRST:
+                tl.store(col_ptr[:, None] + row_off[None, :], tl.trans(q), mask=tl.trans(mask))
+            else:
+                tl.store(col_ptr[None, :] + row_off[:, None], q, mask=mask)
 
 
 @functools.cache
@@ -145,7 +163,7 @@ def _tma_operand(t: torch.Tensor) -> torch.Tensor:
     with zeros, which add nothing to the fp32 sums (the kernel's loop over E reads the padding as
     part of its last 64-wide step, and TMA fills past it with zeros as well). H200, T 4096, int8,
     against cuBLAS in fp32 and the quantize pass (the path without Triton): B 8, E 256, 51.8 us with
-    x copied (35.6 aligned) against 396; B 2, E 516 padded, 70 against 602; B 8, E 252, 474 against
+    x copied (35.6 aligned) against 396; B 2, E 516 padded, 66 against 602; B 8, E 252, 85 against
     773 (its head dim of 63 takes byte stores)."""
     pad = -t.shape[1] % 8
     if pad == 0 and t.data_ptr() % 16 == 0:
@@ -167,10 +185,11 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     grid = (min(tiles, CTAS_PER_SM * sms),)
     x_desc = TensorDescriptor.from_tensor(_tma_operand(x.view(M, E)), [BLOCK_M, BLOCK_K])
     w_desc = TensorDescriptor.from_tensor(_tma_operand(weight), [BLOCK_N, BLOCK_K])
+    vec = math.gcd(out.shape[-1] * out.element_size(), 16) // out.element_size()
     with torch.cuda.device(x.device):
         _qkv_quantize_kernel[grid](x_desc, w_desc, bias if bias is not None else x, scale, out, M, T, E=E, H=heads,
                                    D=E // heads, BITS=bits, HAS_BIAS=bias is not None, WIDE=out.numel() >= 2**31,
-                                   VEC=math.gcd(out.shape[-1] * out.element_size(), 16) // out.element_size(),
+                                   SMALL_T=T < BLOCK_M, VEC=vec, COLUMNS_FIRST=vec == 1 and _TIES_GO_TO_ROWS,
                                    PDL=pdl, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
                                    num_stages=NUM_STAGES)
     return out

@@ -19,9 +19,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 # (B, T, E, heads): the target's head dim 64; rows and columns that fill no tile; one row; head dims of
 # 40 and 8 (vector stores of 8 bytes), 6 (E 30: rows off 16 bytes, padded), 5 (odd: 8 and 16 bits only;
 # byte stores); 16, 128 and 256 (tiles of 8 heads, of one, and one head over two tiles: a tile's scales
-# as scalars where it holds 1 to 8 whole heads, per column otherwise)
+# as scalars where it holds 1 to 8 whole heads, per column otherwise); 63 with T 200 (odd head rows in
+# row tiles that straddle batches)
 SHAPES = [(2, 256, 256, 4), (3, 100, 96, 3), (1, 1, 128, 2), (2, 131, 320, 8), (1, 77, 48, 6), (2, 9, 30, 5),
-          (1, 20, 40, 8), (1, 33, 64, 4), (1, 40, 128, 1), (1, 17, 256, 1)]
+          (1, 20, 40, 8), (1, 33, 64, 4), (1, 40, 128, 1), (1, 17, 256, 1), (3, 200, 189, 3)]
 
 
 def _reference(x, w, b, scale, heads, bits):
