@@ -49,7 +49,8 @@ NUM_WARPS, NUM_STAGES, CTAS_PER_SM = 4, 3, 2
 # both axes. Triton before 3.7 breaks that tie by giving neighbouring threads neighbouring rows:
 # each warp store then writes 32 rows a byte apiece, and each thread holds a row's 128 column
 # offsets, spilled. The kernel then stores the transposed tile, whose first axis is the columns.
-_TIES_GO_TO_ROWS = triton is not None and tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)
+TRITON_VERSION = tuple(int(v) for v in triton.__version__.split(".")[:2]) if triton is not None else None
+_TIES_GO_TO_ROWS = triton is not None and TRITON_VERSION < (3, 7)
 
 if triton is not None:
 
