@@ -45,11 +45,11 @@ def available() -> bool:
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
 NUM_WARPS, NUM_STAGES, CTAS_PER_SM = 4, 3, 2
 
+TRITON_VERSION = tuple(int(v) for v in triton.__version__.split(".")[:2]) if triton is not None else None
 # Head rows of an odd number of elements (VEC 1) give the store's pointers runs of one element along
 # both axes. Triton before 3.7 breaks that tie by giving neighbouring threads neighbouring rows:
 # each warp store then writes 32 rows a byte apiece, and each thread holds a row's 128 column
 # offsets, spilled. The kernel then stores the transposed tile, whose first axis is the columns.
-TRITON_VERSION = tuple(int(v) for v in triton.__version__.split(".")[:2]) if triton is not None else None
 _TIES_GO_TO_ROWS = triton is not None and TRITON_VERSION < (3, 7)
 
 if triton is not None:

@@ -40,8 +40,9 @@ class _Forced:
         return lambda *args, **kwargs: self.kernel[grid](*args, **{**kwargs, **self.forced})
 
 
-# (B, T, E, heads, bits): d 63 in tiles that straddle batches; d 63 and 15 (16 bits) at T just past a
-# tile; d 6 and d 86 (4 bits: 43 bytes) with T below a tile; d 40 at 4 bits; E 36 (padded); d 64
+# (B, T, E, heads, bits): odd head rows (d 63 at 8 bits, d 15 at 16, d 86 at 4: 43 bytes) in row tiles
+# that straddle batches (T 130-300) and with T below a tile (37); d 6 at T 9; d 40 at 4 bits; E 36 at
+# 16 bits (padded); d 64
 SHAPES = [(3, 200, 189, 3, 8), (2, 150, 126, 2, 8), (3, 130, 45, 3, 16), (2, 9, 30, 5, 8), (4, 37, 172, 2, 4),
           (2, 300, 172, 2, 4), (2, 131, 320, 8, 4), (2, 70, 36, 2, 16), (2, 256, 256, 4, 8)]
 
