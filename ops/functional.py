@@ -22,6 +22,13 @@ def _pattern(pattern: SRBCRS, device: torch.device) -> SRBCRS:
     return pattern
 
 
+def _heads(heads):
+    """`heads` checked before the wrappers shape scales with it (the ops check that it divides)."""
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"heads: expected a positive int, got {heads!r}")
+    return heads
+
+
 def expand_scale(scale, bh: int, n: int, name: str, device, heads: int | None = None) -> torch.Tensor:
     """A per-tensor, per-(batch x head) or per-row scale as an fp32 [BH, n] view (expanded, not
     copied: the fused attention reads it in place; spmm and sddmm take it contiguous). With `heads`,
@@ -125,6 +132,7 @@ def sparse_attention(pattern: SRBCRS, query: torch.Tensor, key: torch.Tensor, va
     [B, M, heads * dv]).
     """
     p = _pattern(pattern, query.device)
+    heads = None if heads is None else _heads(heads)
     dims = (query.dim(), key.dim(), value.dim())
     if dims not in ((3, 3, 3), (4, 4, 4)):
         raise ValueError(f"query, key, value: expected all 3-D [BH, rows, d] or all 4-D [B, H, rows, d] tensors, got "
@@ -182,6 +190,7 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     differ in its last bits, within the error bound of fp32 sums, and a quantized value then by a
     step at 8 bits, a few at 16 (rarely: 1 in 10^5 to 10^3 at the model's sizes).
     """
+    heads = _heads(heads)
     s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     if s.dim() == 1:
         s = s[:, None]

@@ -348,3 +348,6 @@ def test_qkv_projection_rejects_bad_inputs_with_messages():
             torch.ops.magicube.qkv_projection(*args)
     with pytest.raises(ValueError, match=r"scale: expected \[3\], \[3, 1\] or \[3, heads=3\] scales"):
         qkv_projection(x, w, bias, scale[:2], heads=heads, bits=8)
+    for bad in (-2, 0, 3.0, True):  # checked before the scale is shaped by it
+        with pytest.raises(ValueError, match=rf"heads: expected a positive int, got {bad!r}"):
+            qkv_projection(x, w, bias, scale[:, 0], heads=bad, bits=8)

@@ -317,6 +317,8 @@ def test_sparse_attention_reads_per_head_views(p_bits, qk_bits):
     assert torch.equal(sparse_attention(p, *odd, heads=heads, **args), want)
     with pytest.raises(ValueError, match=r"heads: 4-D inputs hold their heads in dim 1 \(3\), got heads=2"):
         sparse_attention(p, *views, heads=2, **args)
+    with pytest.raises(ValueError, match=r"heads: expected a positive int, got 3.0"):
+        sparse_attention(p, *(x.reshape(b * heads, length, -1) for x in views), heads=3.0, **args)
     with pytest.raises(ValueError, match="all 3-D .* or all 4-D"):
         sparse_attention(p, views[0], views[1].reshape(b * heads, length, -1), views[2], **args)
 
