@@ -47,7 +47,8 @@ def test_the_fma_emulation_rounds_ties_exactly():
     a = torch.full_like(c, 2.0 ** -24 * (1 + 2.0 ** -23))
     b = torch.cat([torch.full((64,), 1 - 2.0 ** -23), torch.full((64,), -(1 - 2.0 ** -23))]).to(F32)
     got = _fma32(a, b, c)
-    want = [_round_to_f32(Fraction(x) * Fraction(y) + Fraction(z)) for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())]
+    want = [_round_to_f32(Fraction(x) * Fraction(y) + Fraction(z))
+            for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())]
     assert got.tolist() == want
     double_rounded = (a.to(F64) * b.to(F64) + c.to(F64)).to(F32)
     assert (double_rounded != got).sum() == 64  # the cases are ties indeed
