@@ -1,7 +1,9 @@
-"""The fused projection's division (`qkv_gemm._quantize`): y / s as one reciprocal, a product and
-Markstein's correction, q0 = RN(y r), q = fma(r, fma(-s, q0, y), q0), with r = RN(1 / s). The kernel
-takes it for 2^-60 <= |s| <= 2^60 and claims the IEEE quotient there for every fp16 y; this checks
-the claim on the CPU for every finite fp16 value at the bounds and at random scales.
+"""The quantizers' fast division of fp16 values by a scale: one reciprocal r, then q0 = RN(y r) and
+Markstein's correction q = fma(r, fma(-s, q0, y), q0). The fused projection (`qkv_gemm._quantize`)
+takes r = RN(1 / s); the quantize kernel (`csrc/quantize.cu`) refines `rcp.approx` (within an ulp,
+by the PTX ISA) by one Newton step. Both take it for 2^-60 <= |s| <= 2^60 and claim the IEEE
+quotient there for every fp16 y; this checks the claim on the CPU for every finite fp16 value at the
+bounds and at random scales, and for the refined reciprocal from any start within two ulps.
 
 fp32 arithmetic on the CPU rounds as the GPU's does; the fused multiply-add is emulated exactly in
 fp64 (the product of two fp32 values is exact there, TwoSum gives the sum's error), and that
@@ -54,18 +56,46 @@ def test_the_fma_emulation_rounds_ties_exactly():
     assert (double_rounded != got).sum() == 64  # the cases are ties indeed
 
 
-def test_markstein_division_is_the_ieee_quotient_for_every_fp16_value():
+def _fp16_values() -> torch.Tensor:
     y = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.float16)
-    y = y[torch.isfinite(y)].to(F32)
-    g = torch.Generator().manual_seed(0)
-    random = (1 + torch.rand(200, generator=g, dtype=F64)) * 2.0 ** torch.randint(-60, 60, (200,), generator=g)
-    bounds = torch.tensor([2.0 ** -60, 2.0 ** 60, 1.0, 3.0, 0.1, 1 / 3], dtype=F64)
-    for s in torch.cat([bounds, random]).to(F32).tolist():
-        for s in (s, -s):
-            s = torch.tensor(s, dtype=F32)
-            r = 1 / s
-            q0 = y * r
-            q = _fma32(r, _fma32(-s, q0, y), q0)
-            want = y / s
-            # -0 / s gives +0 by the correction: the same integer after the kernel's rounding
-            assert torch.equal(q, want), (s.item(), y[q != want][:4].tolist())
+    return y[torch.isfinite(y)].to(F32)
+
+
+def _scales(count: int, seed: int) -> list[float]:
+    """The bounds, a few plain values, and `count` random scales over [2^-60, 2^60], both signs."""
+    g = torch.Generator().manual_seed(seed)
+    random = (1 + torch.rand(count, generator=g, dtype=F64)) * 2.0 ** torch.randint(-60, 60, (count,), generator=g)
+    scales = torch.cat([torch.tensor([2.0 ** -60, 2.0 ** 60, 1.0, 3.0, 0.1, 1 / 3], dtype=F64), random]).to(F32)
+    return scales.tolist() + (-scales).tolist()
+
+
+def _assert_quotients(y: torch.Tensor, s: torch.Tensor, r: torch.Tensor):
+    q0 = y * r
+    q = _fma32(r, _fma32(-s, q0, y), q0)
+    want = y / s
+    # -0 / s gives +0 by the correction: the same integer after the kernels' rounding
+    assert torch.equal(q, want), (s.item(), r.item(), y[q != want][:4].tolist())
+
+
+def test_markstein_division_is_the_ieee_quotient_for_every_fp16_value():
+    """The fused projection's: r = RN(1 / s)."""
+    y = _fp16_values()
+    for s in _scales(200, 0):
+        s = torch.tensor(s, dtype=F32)
+        _assert_quotients(y, s, 1 / s)
+
+
+def test_the_refined_reciprocal_gives_the_same_quotients():
+    """The quantize kernel's: r0 = rcp.approx(s), any fp32 value within two ulps of RN(1 / s), then
+    r = fma(r0, fma(-s, r0, 1), r0), which must lie within an ulp of 1 / s."""
+    y = _fp16_values()
+    inf = torch.tensor(torch.inf)
+    for s in _scales(30, 1):
+        s = torch.tensor(s, dtype=F32)
+        r0 = (1 / s).view(1)
+        for _ in range(2):
+            r0 = torch.cat([torch.nextafter(r0[:1], -inf), r0, torch.nextafter(r0[-1:], inf)])
+        for start in r0:
+            r = _fma32(start, _fma32(-s, start, torch.tensor(1.0)), start)
+            assert abs(r.double() - 1 / s.double()) < (torch.nextafter(r.abs(), inf) - r.abs()).double(), s.item()
+            _assert_quotients(y, s, r)
