@@ -17,6 +17,8 @@ def structured_vector_mask(length: int, v: int, sparsity: float, window: int, se
     """Local window of `window` tokens each side + global CLS row/column + random fill."""
     if length % v:
         raise ValueError(f"length: expected a multiple of v={v}, got {length}")
+    if not 0.0 <= sparsity <= 1.0:
+        raise ValueError(f"sparsity: expected a fraction in [0, 1], got {sparsity}")
     rows = length // v
     budget = round((1.0 - sparsity) * length)
     cols = torch.arange(length)

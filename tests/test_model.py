@@ -278,6 +278,10 @@ def test_masks():
         small_config(max_len=60)
     with pytest.raises(ValueError, match="attention"):
         small_config(attention="fancy")
+    for kind in ("structured", "random"):
+        for sparsity in (1.5, -0.5):
+            with pytest.raises(ValueError, match=rf"sparsity: expected a fraction in \[0, 1\], got {sparsity}"):
+                layer_mask(kind, 128, 8, sparsity, seed=0)
 
 
 def test_save_load_roundtrip(tmp_path):

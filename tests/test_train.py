@@ -43,6 +43,16 @@ def test_configs_load_by_name_and_path(tmp_path):
         apply_overrides({}, ["nonsense"])
 
 
+def test_unknown_model_and_train_keys_are_refused_by_name(tmp_path):
+    """A typo in an override would otherwise be kept and ignored (LRAConfig keeps any keyword)."""
+    for extra, message in ((["train.max_minute=8"], r"train: unknown key max_minute; expected keys among steps"),
+                           (["model.heads=2", "model.sparsty=0.5"],
+                            r"model: unknown keys heads, sparsty; expected keys among max_len")):
+        with pytest.raises(ValueError, match=message):
+            train(tiny_cfg(tmp_path, "typo", *extra), progress=False)
+    assert not (tmp_path / "typo").exists()
+
+
 def test_lra_schedule():
     f = lra_lr_lambda(100)
     assert f(0) == pytest.approx(0.01 / 10)

@@ -12,6 +12,7 @@ from accelerate; on several GPUs the global batch is split over the processes:
 """
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -35,7 +36,26 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 
 
+# What the train section may hold (a finetune section's train keys are merged into it).
+TRAIN_KEYS = ("steps", "batch_size", "lr", "schedule", "warmup", "scale_lr", "betas", "eps", "weight_decay",
+              "grad_clip", "mixed_precision", "cpu", "log_every", "eval_every", "eval_batch_size", "eval_batches",
+              "checkpoint_every", "keep_checkpoints", "max_minutes", "init_from")
+# What the model section may hold: LRAConfig's own arguments (the task gives the vocabulary and classes).
+MODEL_KEYS = tuple(k for k in inspect.signature(LRAConfig.__init__).parameters
+                   if k not in ("self", "kwargs", "vocab_size", "num_classes"))
+
+
+def _check_keys(cfg: dict, section: str, known: tuple[str, ...]) -> None:
+    """A key the code does not read is a typo (`train.max_minute=8` would train without a limit, and
+    LRAConfig, a transformers config, keeps any keyword): refused by name."""
+    unknown = sorted(set(cfg.get(section) or {}) - set(known))
+    if unknown:
+        raise ValueError(f"{section}: unknown key{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
+                         f"expected keys among {', '.join(known)}")
+
+
 def model_config(cfg: dict) -> LRAConfig:
+    _check_keys(cfg, "model", MODEL_KEYS)
     task = cfg["data"]["task"]
     return LRAConfig(vocab_size=data_mod.VOCAB_SIZE[task], num_classes=data_mod.NUM_CLASSES[task],
                      **cfg.get("model", {}))
@@ -288,6 +308,8 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
     `init_model(config, train_split, device, resuming)` builds the model in place of a fresh
     one (finetuning starts from trained weights); when resuming, the checkpoint's weights follow.
     """
+    for section, known in (("model", MODEL_KEYS), ("train", TRAIN_KEYS)):  # before anything is written
+        _check_keys(cfg, section, known)
     tc = cfg["train"]
     seed = int(cfg.get("seed", 0))
     out_dir = Path(cfg.get("out_dir") or f"runs/{cfg.get('name', 'run')}")
