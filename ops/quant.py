@@ -83,6 +83,8 @@ def _rounded(x: torch.Tensor, scale, bits: int, signed: bool) -> torch.Tensor:
 
 def to_container(q: torch.Tensor, bits: int, signed: bool = True) -> torch.Tensor:
     """Integer values -> the container the kernels read (int4 packed along the last dim)."""
+    if q.is_floating_point() or q.is_complex():  # the cast below would truncate 2.5 to 2
+        raise ValueError(f"q: expected integer values in an integer dtype, got {q.dtype} (quantize() returns them)")
     qmin, qmax = qrange(bits, signed)
     if q.numel() and (int(q.min()) < qmin or int(q.max()) > qmax):
         raise ValueError(f"q: values outside [{qmin}, {qmax}] for {bits}-bit {'signed' if signed else 'unsigned'} data")

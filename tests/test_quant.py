@@ -81,6 +81,9 @@ def test_container_layouts():
     assert u16.dtype == torch.int16 and u16.tolist() == [0, 1, 32767, -32768, -1]
     with pytest.raises(ValueError, match=r"values outside \[-8, 7\]"):
         to_container(torch.tensor([8, 0]), 4)
+    for bits in (8, 4):  # a float would be truncated
+        with pytest.raises(ValueError, match=r"q: expected integer values in an integer dtype, got torch.float32"):
+            to_container(torch.tensor([2.5, 0.0]), bits)
     with pytest.raises(ValueError, match="even last dimension"):
         pack_int4(torch.tensor([1, 2, 3]))
 
