@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from safetensors import SafetensorError
 from transformers.utils import logging as hf_logging
 
 from magicube.eval.timing import git_commit
@@ -76,6 +77,8 @@ def evaluate(path: str | Path, backends=None, split: str | None = None, batch_si
     hf_logging.disable_progress_bar()  # one small file
     try:
         model = LRAClassifier.from_pretrained(ckpt).to(accelerator.device)
+    except SafetensorError as err:
+        raise ValueError(f"{ckpt / 'model.safetensors'}: not a readable safetensors file ({err})") from None
     finally:
         if bars:
             hf_logging.enable_progress_bar()

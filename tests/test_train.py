@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from magicube.eval.evaluate import evaluate
 from magicube.train.config import apply_overrides, config_names, load_config
 from magicube.train.trainer import (accuracy, batch_indices, latest_checkpoint, lr_lambda, lra_lr_lambda,
                                     read_trainer_state, train)
@@ -141,6 +142,16 @@ def test_checkpoint_contents_and_retention(tmp_path):
     recs = _records(tmp_path / "run")
     assert [r["step"] for r in recs if "eval_accuracy" in r] == [4, 8]
     assert all(r["lr"] > 0 for r in recs if "lr" in r)
+    # A file damaged after the atomic write (a truncated copy) is an error that names it, wherever it is read.
+    for name in ("model.safetensors", "trainer_state.safetensors"):
+        data = (ckpt / name).read_bytes()
+        (ckpt / name).write_bytes(data[:1000])
+        with pytest.raises(ValueError, match=rf"{name}: not a readable safetensors file"):
+            train(tiny_cfg(tmp_path, "run", "train.steps=9", "train.keep_checkpoints=1"), progress=False)
+        (ckpt / name).write_bytes(data)
+    (ckpt / "model.safetensors").write_bytes(b"\0" * 64)
+    with pytest.raises(ValueError, match=r"model.safetensors: not a readable safetensors file"):
+        evaluate(ckpt, backends=["dense"], progress=False)
 
 
 def test_text_task_end_to_end(tmp_path, monkeypatch):

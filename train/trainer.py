@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
@@ -128,11 +129,20 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return ckpt
 
 
+def read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's safetensors file, on the CPU. Checkpoints are written atomically, but a file
+    damaged afterwards (truncated in a copy, overwritten) is an error that names it."""
+    try:
+        return load_file(file, device="cpu")
+    except SafetensorError as err:
+        raise ValueError(f"{file}: not a readable safetensors file ({err})") from None
+
+
 def load_weights(model: LRAClassifier, source: str | Path, skip: tuple[str, ...] = ()) -> None:
     """Weights of a checkpoint (or a run's latest) into `model`, less the keys ending with `skip`,
     which keep the model's own values. Anything else that does not fit is an error."""
     path = resolve_checkpoint(source)
-    state = {k: v for k, v in load_file(path / "model.safetensors", device="cpu").items() if not k.endswith(skip)}
+    state = {k: v for k, v in read_tensors(path / "model.safetensors").items() if not k.endswith(skip)}
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as err:  # shapes differ
@@ -220,12 +230,12 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, accel
 
 def read_trainer_state(path: Path) -> dict:
     """The optimizer, scheduler, scaler, RNG and step state of a checkpoint."""
-    tensors = load_file(path / "trainer_state.safetensors", device="cpu")
+    tensors = read_tensors(path / "trainer_state.safetensors")
     return _decode(json.loads((path / "trainer_state.json").read_text())["state"], tensors)
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, accelerator) -> int:
-    accelerator.unwrap_model(model).load_state_dict(load_file(path / "model.safetensors", device="cpu"))
+    accelerator.unwrap_model(model).load_state_dict(read_tensors(path / "model.safetensors"))
     state = read_trainer_state(path)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
