@@ -74,6 +74,13 @@ class LRAConfig(PretrainedConfig):
                                      ("quant_granularity", self.quant_granularity, fakequant.GRANULARITIES)):
             if value not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, got {value!r}")
+        for name in ("max_len", "emb_dim", "num_heads", "num_layers", "mlp_dim", "window"):
+            value, least = getattr(self, name), 0 if name == "window" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}: expected an integer >= {least}, got {value!r}")
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}: expected a probability in [0, 1), got {getattr(self, name)!r}")
         if self.emb_dim % self.num_heads:
             raise ValueError(f"emb_dim {self.emb_dim} is not a multiple of num_heads {self.num_heads}")
         if self.max_len % self.v:

@@ -171,6 +171,18 @@ def test_listops_dataset_pipeline(tmp_path):
     assert t["test"][1].tolist() == tgt
 
 
+def test_listops_settings_out_of_range_and_empty_splits_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"data.generate.max_depth: expected an integer >= 1, got 0"):
+        listops.ListOpsSpec(max_depth=0)
+    with pytest.raises(ValueError, match=r"data.generate.max_length: expected an integer >= min_length = 10, got 5"):
+        listops.ListOpsSpec(min_length=10, max_length=5)
+    cfg = {"task": "listops", "path": str(tmp_path / "lo"), "auto_generate": True, "cache_dir": str(tmp_path / "c"),
+           "generate": {**SMALL.__dict__, "num_test": 0}}  # generated (an empty file), but nothing to train on
+    with pytest.raises(ValueError, match=r"data: the test split of .* holds no examples"):
+        data.load_tensors(cfg, 64)
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
 @pytest.mark.parametrize("content, match", [
     ("Text\tLabel\n[MAX 1 2 ]\t2\n", "header"),
     ("Source\tTarget\n[MAX 1 2 ]\t12\n", "not a digit"),

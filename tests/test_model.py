@@ -278,6 +278,12 @@ def test_masks():
         small_config(max_len=60)
     with pytest.raises(ValueError, match="attention"):
         small_config(attention="fancy")
+    for settings, message in ((dict(num_layers=0), r"num_layers: expected an integer >= 1, got 0"),
+                              (dict(window=-3), r"window: expected an integer >= 0, got -3"),
+                              (dict(max_len=0), r"max_len: expected an integer >= 1, got 0"),
+                              (dict(dropout=1.0), r"dropout: expected a probability in \[0, 1\), got 1.0")):
+        with pytest.raises(ValueError, match=message):
+            small_config(**settings)
     for kind in ("structured", "random"):
         for sparsity in (1.5, -0.5):
             with pytest.raises(ValueError, match=rf"sparsity: expected a fraction in \[0, 1\], got {sparsity}"):

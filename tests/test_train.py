@@ -54,6 +54,16 @@ def test_unknown_model_and_train_keys_are_refused_by_name(tmp_path):
     assert not (tmp_path / "typo").exists()
 
 
+def test_counts_out_of_range_are_refused_by_name(tmp_path):
+    for extra, message in (("train.batch_size=0", r"train.batch_size: expected an integer >= 1, got 0"),
+                           ("train.steps=-1", r"train.steps: expected an integer >= 0, got -1"),
+                           ("train.steps=2.5", r"train.steps: expected an integer >= 0, got 2.5"),
+                           ("train.warmup=-1", r"train.warmup: expected an integer >= 0, got -1")):
+        with pytest.raises(ValueError, match=message):
+            train(tiny_cfg(tmp_path, "counts", extra), progress=False)
+    assert not (tmp_path / "counts").exists()
+
+
 def test_lra_schedule():
     f = lra_lr_lambda(100)
     assert f(0) == pytest.approx(0.01 / 10)
@@ -63,6 +73,7 @@ def test_lra_schedule():
     flat = lr_lambda({"schedule": "constant", "warmup": 10})  # finetuning: warm-up, then the base lr
     assert (flat(0), flat(9), flat(500)) == (pytest.approx(0.1), 1.0, 1.0)
     assert lr_lambda({"warmup": 100})(99) == f(99)  # lra by default
+    assert [lra_lr_lambda(0)(s) for s in (0, 3)] == [1.0, 0.5]  # no warm-up: rsqrt decay from the first step
     with pytest.raises(ValueError, match="schedule"):
         lr_lambda({"schedule": "cosine", "warmup": 1})
 

@@ -100,6 +100,9 @@ def build_datasets(cfg: dict, length: int):
             sources, targets = listops.read_tsv(listops.tsv_path(src, s))
             tables[s] = {"source": sources, "label": targets}
         encode = listops.encode
+    for s in splits:
+        if not tables[s]["label"]:
+            raise ValueError(f"data: the {s} split of {src} holds no examples")
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int16"), length=length),
                                   "label": datasets.Value("int64")})
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")

@@ -39,6 +39,15 @@ class ListOpsSpec:
     max_length: int = 2000
     seed: int = 0
 
+    def __post_init__(self):
+        for name in ("num_train", "num_val", "num_test", "max_depth", "max_args", "min_length"):
+            least = 0 if name.startswith("num_") else 1
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < least:
+                raise ValueError(f"data.generate.{name}: expected an integer >= {least}, got {getattr(self, name)!r}")
+        if not isinstance(self.max_length, int) or self.max_length < self.min_length:
+            raise ValueError(f"data.generate.max_length: expected an integer >= min_length = {self.min_length}, "
+                             f"got {self.max_length!r}")
+
     def counts(self) -> dict[str, int]:
         return {"train": self.num_train, "val": self.num_val, "test": self.num_test}
 

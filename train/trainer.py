@@ -46,6 +46,10 @@ MODEL_KEYS = tuple(k for k in inspect.signature(LRAConfig.__init__).parameters
                    if k not in ("self", "kwargs", "vocab_size", "num_classes"))
 
 
+# The train section's counts, and the least each may be.
+TRAIN_COUNTS = {"steps": 0, "batch_size": 1, "warmup": 0, "eval_batch_size": 1}
+
+
 def _check_keys(cfg: dict, section: str, known: tuple[str, ...]) -> None:
     """A key the code does not read is a typo (`train.max_minute=8` would train without a limit, and
     LRAConfig, a transformers config, keeps any keyword): refused by name."""
@@ -53,6 +57,14 @@ def _check_keys(cfg: dict, section: str, known: tuple[str, ...]) -> None:
     if unknown:
         raise ValueError(f"{section}: unknown key{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
                          f"expected keys among {', '.join(known)}")
+
+
+def _check_counts(tc: dict) -> None:
+    """A batch of 0 divided by zero and a negative step count trained nothing, without a word."""
+    for key, least in TRAIN_COUNTS.items():
+        value = tc.get(key, least)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"train.{key}: expected an integer >= {least}, got {value!r}")
 
 
 def model_config(cfg: dict) -> LRAConfig:
@@ -66,7 +78,7 @@ def lra_lr_lambda(warmup: int):
     """LRA's `constant * linear_warmup * rsqrt_decay`, as a factor of the base lr (step counts from 1)."""
     def factor(step: int) -> float:
         s = step + 1
-        return min(1.0, s / warmup) / math.sqrt(max(s, warmup))
+        return min(1.0, s / max(warmup, 1)) / math.sqrt(max(s, warmup))  # warm-up 0: rsqrt decay from step 1
     return factor
 
 
@@ -321,6 +333,7 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
     for section, known in (("model", MODEL_KEYS), ("train", TRAIN_KEYS)):  # before anything is written
         _check_keys(cfg, section, known)
     tc = cfg["train"]
+    _check_counts(tc)
     seed = int(cfg.get("seed", 0))
     out_dir = Path(cfg.get("out_dir") or f"runs/{cfg.get('name', 'run')}")
     mixed = tc.get("mixed_precision") or "no"  # YAML reads a bare `no` as False
