@@ -351,3 +351,5 @@ def test_finetune_config_composition(source):
         finetune_config(ckpt, "4b-4b")
     with pytest.raises(ValueError, match="finetune.scales"):
         finetune_config(ckpt, "8b-8b", overrides=["finetune.scales=sometimes"])
+    with pytest.raises(ValueError, match=r"finetune.calibration_batches: expected an integer >= 1, got 0"):
+        finetune_config(ckpt, "8b-8b", overrides=["finetune.calibration_batches=0"])
