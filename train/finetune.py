@@ -26,7 +26,7 @@ import torch
 
 from magicube.model import fakequant
 from magicube.model.lra import QUANTIZED, LRAClassifier
-from magicube.train.config import apply_overrides, config_names, load_config
+from magicube.train.config import apply_overrides, check_count, config_names, load_config
 from magicube.train.trainer import batch_indices, load_weights, resolve_checkpoint, train
 
 
@@ -63,9 +63,7 @@ def finetune_config(ckpt: Path, precision: str | None = None, config: str | Path
         raise ValueError(f"finetune.scales: expected one of {fakequant.SCALE_MODES}, got {scales!r}")
     if granularity not in fakequant.GRANULARITIES:
         raise ValueError(f"finetune.granularity: expected one of {fakequant.GRANULARITIES}, got {granularity!r}")
-    batches = ft.get("calibration_batches", 8)
-    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:  # 0: every scale 1, seen nothing
-        raise ValueError(f"finetune.calibration_batches: expected an integer >= 1, got {batches!r}")
+    check_count("finetune.calibration_batches", ft.get("calibration_batches", 8), 1)  # 0: every scale 1
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
     # calibration runs the source's float function (that of a finetuned source: its sparse one)
     attention = cfg["model"].get("attention", "dense")

@@ -14,6 +14,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from magicube.train.config import check_count
+
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 END = "]"
 VALUE_P = 0.25
@@ -41,9 +43,7 @@ class ListOpsSpec:
 
     def __post_init__(self):
         for name in ("num_train", "num_val", "num_test", "max_depth", "max_args", "min_length"):
-            least = 0 if name.startswith("num_") else 1
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < least:
-                raise ValueError(f"data.generate.{name}: expected an integer >= {least}, got {getattr(self, name)!r}")
+            check_count(f"data.generate.{name}", getattr(self, name), 0 if name.startswith("num_") else 1)
         if not isinstance(self.max_length, int) or self.max_length < self.min_length:
             raise ValueError(f"data.generate.max_length: expected an integer >= min_length = {self.min_length}, "
                              f"got {self.max_length!r}")

@@ -31,7 +31,7 @@ from transformers.utils import logging as hf_logging
 
 from magicube.model.lra import QUANTIZED, LRAClassifier, LRAConfig
 from magicube.train import data as data_mod
-from magicube.train.config import dump_config, load_config
+from magicube.train.config import check_count, dump_config, load_config
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -46,7 +46,8 @@ MODEL_KEYS = tuple(k for k in inspect.signature(LRAConfig.__init__).parameters
                    if k not in ("self", "kwargs", "vocab_size", "num_classes"))
 
 
-# The train section's counts, and the least each may be.
+# The train section's counts, and the least each may be (a batch of 0 divided by zero, and a negative
+# step count trained nothing, without a word).
 TRAIN_COUNTS = {"steps": 0, "batch_size": 1, "warmup": 0, "eval_batch_size": 1}
 
 
@@ -57,14 +58,6 @@ def _check_keys(cfg: dict, section: str, known: tuple[str, ...]) -> None:
     if unknown:
         raise ValueError(f"{section}: unknown key{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
                          f"expected keys among {', '.join(known)}")
-
-
-def _check_counts(tc: dict) -> None:
-    """A batch of 0 divided by zero and a negative step count trained nothing, without a word."""
-    for key, least in TRAIN_COUNTS.items():
-        value = tc.get(key, least)
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"train.{key}: expected an integer >= {least}, got {value!r}")
 
 
 def model_config(cfg: dict) -> LRAConfig:
@@ -333,7 +326,8 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
     for section, known in (("model", MODEL_KEYS), ("train", TRAIN_KEYS)):  # before anything is written
         _check_keys(cfg, section, known)
     tc = cfg["train"]
-    _check_counts(tc)
+    for key, least in TRAIN_COUNTS.items():
+        check_count(f"train.{key}", tc.get(key, least), least)
     seed = int(cfg.get("seed", 0))
     out_dir = Path(cfg.get("out_dir") or f"runs/{cfg.get('name', 'run')}")
     mixed = tc.get("mixed_precision") or "no"  # YAML reads a bare `no` as False
