@@ -61,15 +61,15 @@ def spmm(pattern: SRBCRS, a_values: torch.Tensor, b: torch.Tensor, *, a_bits: in
     holding values of their bits only (12-bit A's int16 in [-2048, 2047], as `to_container` checks:
     the kernel that stacks 12-bit A's digits relies on it); the result is dequantized with scale_a
     (per row of A) and scale_b (per column of B) to fp16, or returned as the exact int64 accumulator
-    with out_dtype=torch.int64. fp16 inputs take no scales. On CUDA, integer inputs run on one of
-    three ways that give the same bits: the gather kernel, the resident-B kernel (narrow B, many
-    gathers) or, where the mask is dense enough that B would be gathered many times over (low V and
-    sparsity), A and B expanded to byte planes for a dense int8 GEMM (cuBLAS's for one signed plane
-    each on small problems off Hopper, else the project's own, on wgmma on Hopper); the op picks by
-    estimated time, and the environment variable
+    with out_dtype=torch.int64. fp16 inputs take no scales and the default widths (fp16 arithmetic).
+    On CUDA, integer inputs run on one of three ways that give the same bits: the gather kernel, the
+    resident-B kernel (narrow B, many gathers) or, where the mask is dense enough that B would be
+    gathered many times over (low V and sparsity), A and B expanded to byte planes for a dense int8
+    GEMM (cuBLAS's for one signed plane each on small problems off Hopper, else the project's own,
+    on wgmma on Hopper); the op picks by estimated time, and the environment variable
     MAGICUBE_SPMM_KERNEL=gather|stacked|merged|resident|dense|dense_wgmma forces one where it
-    applies (stacked: the gather kernel with 16-bit A's two byte planes in one MMA, at V 2, and at
-    V 4 unsigned 16-bit A's planes and 12-bit A's two digits; merged: the gather kernel on V 2 rows
+    applies (stacked: the gather kernel with 16-bit A's two byte planes in one MMA, at V 2, and at V
+    4 unsigned 16-bit A's planes and 12-bit A's two digits; merged: the gather kernel on V 2 rows
     four at a time, as V 8 rows of their columns' union, where M is a multiple of 8), or
     MAGICUBE_SPMM_KERNEL=tuned times the ways at a problem's first call and runs the fastest after.
     """
@@ -89,7 +89,8 @@ def sddmm(pattern: SRBCRS, a: torch.Tensor, b: torch.Tensor, *, bits: int = 16, 
           out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """(A[bh] @ B[bh]^T) at the pattern's kept entries, as SR-BCRS values [BH, nnz_pad*V].
 
-    A is [BH, M, K] and B [BH, N, K] (N = the pattern's columns), int4 packed along K.
+    A is [BH, M, K] and B [BH, N, K] (N = the pattern's columns), int4 packed along K; fp16 inputs
+    take no scales and the default bits (fp16 arithmetic).
     """
     p = _pattern(pattern, a.device)
     if a.dim() != 3 or b.dim() != 3:

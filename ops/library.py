@@ -129,6 +129,11 @@ def check_spmm(row_ptr, col_idx, row_order, a_values, b, scale_a, scale_b, v, m,
         _check_tensor("b", b, container_dtype(b_bits))
     elif b.dtype != torch.float16:
         raise ValueError(f"b: fp16 a_values need fp16 b, got {_describe(b)}")
+    elif (a_bits, b_bits, a_signed) != (16, 16, True):
+        # fp16 values are computed as they are: a width here would be silently ignored
+        raise ValueError(f"a_bits, b_bits, a_signed: fp16 inputs are multiplied in fp16 and take the defaults "
+                         f"(16, 16, True), got ({a_bits}, {b_bits}, {a_signed}); integer arithmetic takes the "
+                         f"containers of quantize_to_container")
     bh = b.shape[0]
     _check_values("a_values", a_values, bh, col_idx.numel() * v, a_bits, a_signed, device)
     n = b.shape[2] * (2 if quantized and b_bits == 4 else 1)
@@ -155,6 +160,9 @@ def check_sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, ou
         _check_tensor("b", b, container_dtype(bits))
     elif b.dtype != torch.float16:
         raise ValueError(f"b: fp16 a needs fp16 b, got {_describe(b)}")
+    elif bits != 16:
+        raise ValueError(f"bits: fp16 inputs are multiplied in fp16 and take the default (16), got {bits!r}; "
+                         f"integer arithmetic takes the containers of quantize_to_container")
     m = row_ptr.numel() // 2 * v
     bh = a.shape[0]
     if a.shape[1] != m:
@@ -205,6 +213,9 @@ def check_sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale
                          f"{SPMM_PAIRS}, got ({p_bits}, {qk_bits})")
     if not quantized and p_bits != 0:
         raise ValueError(f"p_bits: fp16 attention keeps fp16 probabilities (0), got {p_bits!r}")
+    if not quantized and qk_bits != 16:
+        raise ValueError(f"qk_bits: fp16 inputs are multiplied in fp16 and take the default (16), got {qk_bits!r}; "
+                         f"integer attention takes the containers of quantize_to_container")
     if not query.dim() == key.dim() == value.dim():
         raise ValueError(f"query, key, value: expected all 3-D [BH, rows, d] or all 4-D [B, heads, rows, d], got "
                          f"{query.dim()}, {key.dim()} and {value.dim()} dims")

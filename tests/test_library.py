@@ -120,6 +120,11 @@ def test_sparse_attention_checks_per_head_views():
     odd = torch.zeros(2, 8, 2, 12, dtype=torch.float16)[..., :8].transpose(1, 2)  # rows 24 bytes apart
     with pytest.raises(ValueError, match="value: expected contiguous rows on strides of whole 16 bytes"):
         torch.ops.magicube.sparse_attention(*pat, q, k, odd, *tail, 2)
+    # fp16 attention: fp16 scores and probabilities, whatever widths are given
+    with pytest.raises(ValueError, match=r"p_bits: fp16 attention keeps fp16 probabilities \(0\), got 8"):
+        torch.ops.magicube.sparse_attention(*pat, q, k, val, None, None, None, 4, 1.0, 16, 8, 2)
+    with pytest.raises(ValueError, match=r"qk_bits: fp16 inputs .* the default \(16\), got 8"):
+        torch.ops.magicube.sparse_attention(*pat, q, k, val, None, None, None, 4, 1.0, 8, 0, 2)
 
 
 def test_sparse_attention_checks_scale_shapes():
@@ -226,6 +231,12 @@ def test_spmm_rejects_bad_inputs_with_messages():
         spmm(p, args[3], args[4], a_bits=8, b_bits=8, scale_a=torch.ones(5), scale_b=1.0)
     with pytest.raises(ValueError, match="pattern: expected an SRBCRS"):
         spmm(None, args[3], args[4])
+    # fp16 values are multiplied in fp16: a width or signedness given with them would be ignored
+    a16, b16 = torch.randn(args[3].shape).half(), torch.randn(args[4].shape).half()
+    spmm(p, a16, b16)
+    for kw, got in ((dict(a_bits=8, b_bits=8), r"\(8, 8, True\)"), (dict(a_signed=False), r"\(16, 16, False\)")):
+        with pytest.raises(ValueError, match=rf"a_bits, b_bits, a_signed: fp16 .* \(16, 16, True\), got {got}"):
+            spmm(p, a16, b16, **kw)
 
 
 def test_sddmm_and_softmax_reject_bad_inputs_with_messages():
@@ -241,6 +252,10 @@ def test_sddmm_and_softmax_reject_bad_inputs_with_messages():
     for index, value, message in cases:
         with pytest.raises(ValueError, match=message):
             op(*_replace(args, index, value))
+    fp16 = (*args[:3], args[3].half(), args[4].half(), None, None, *args[7:])  # bits 8
+    op(*_replace(fp16, 8, 16))
+    with pytest.raises(ValueError, match=r"bits: fp16 inputs .* take the default \(16\), got 8"):
+        op(*fp16)
     no_rows = [torch.zeros(0, dtype=torch.int32), args[1], torch.zeros(0, dtype=torch.int32), args[3][:, :0]]
     slots = args[1].numel()
     message = rf"col_idx: a pattern with no rows \(empty row_ptr\) has no columns, got {slots}"
