@@ -234,16 +234,23 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
   launch_tiles<AB, AS, BB, true, TB>(p, vrows, bh, stream);
 }
 
-// Rows of at most 128 bytes (8-bit B of N <= 128, 16-bit and fp16 B of N <= 64; 4-bit B always
-// has this tile) take the narrow tile. With the wide one, half of every step's copies and products
-// were of zeros: on an H200 the narrow tile took 18-28 % less time (geometric means over M = K
-// 1024-4096, V 2 / 4 / 8, sparsity 0.7 / 0.9 / 0.98: L8-R8 and L16-R8 at N 64 and 128, L16-R16 and
-// fp16 at N 32 and 64), and the fp16 pipeline's P x V (batch x heads 32, L 4096, head dim 64)
-// 188 -> 112 us. The generic copies (rows not on 16 bytes) keep the wide tile. Returns what
-// `f.template operator()<TB>()` returns with that tile TB.
+// Rows of at most 128 bytes (8-bit B of N <= 128, 16-bit and fp16 B of N <= 64) take the narrow
+// tile. With the wide one, half of every step's copies and products were of zeros: on an H200 the
+// narrow tile took 18-28 % less time (geometric means over M = K 1024-4096, V 2 / 4 / 8, sparsity
+// 0.7 / 0.9 / 0.98: L8-R8 and L16-R8 at N 64 and 128, L16-R16 and fp16 at N 32 and 64), and the fp16
+// pipeline's P x V (batch x heads 32, L 4096, head dim 64) 188 -> 112 us. 4-bit B's rows of at most
+// 64 bytes (N <= 128) take the quarter tile for the same reason: on an H200, gather kernel forced,
+// M = K 1024-4096, V 2 / 4 / 8, sparsity 0.7 / 0.9 / 0.98, N 64 and 128, it took 0.74-0.81x the
+// narrow tile's time on the geometric mean by pair (0.60-0.90x by cell; L8-R4 at M = K 4096, N 128,
+// V 8, sparsity 0.9: 7.87 -> 5.89 us), and the automatic choice 0.85-0.88x (up to 1.004x where
+// it runs another way; kernel_checks.md, eighty-third round). The generic copies (rows not on 16
+// bytes) keep the wide tile. Returns what `f.template operator()<TB>()` returns with that tile TB.
 template <int AB, bool AS, int BB, class F>
 decltype(auto) on_fast_tile(const Params& p, F&& f) {
   namespace sd = magicube::spmm_detail;
+  if constexpr (BB == 4) {
+    if (p.row_bytes <= sd::kQuarterTileBytes) return f.template operator()<sd::kQuarterTileBytes>();
+  }
   if (p.row_bytes <= sd::kNarrowTileBytes) return f.template operator()<sd::kNarrowTileBytes>();
   return f.template operator()<sd::Kind<AB, AS, BB>::kTileBytes>();
 }
@@ -777,7 +784,11 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
 template <int AB, bool AS, int BB>
 void launch_integer(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
                     int64_t a_bits, Choice choice, const std::optional<Dense>& dense) {
-  const auto merged = [&]<int TB>() { return launch_merged<AB, AS, BB, TB>(p, vrows, bh, nnz_pad, stream, choice); };
+  // Rows merge on the narrow tile or wider (launch_merged).
+  const auto merged = [&]<int TB>() {
+    return launch_merged<AB, AS, BB, std::max(TB, magicube::spmm_detail::kNarrowTileBytes)>(p, vrows, bh, nnz_pad,
+                                                                                           stream, choice);
+  };
   if (!dense && fast && on_fast_tile<AB, AS, BB>(p, merged)) return;
   if constexpr (BB == 8 || BB == 4) {
     const bool resident_first = 2 * p.row_bytes <= magicube::spmm_detail::kNarrowTileBytes;

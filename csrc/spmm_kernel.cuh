@@ -65,9 +65,11 @@ constexpr int kSlots = 32;        // SR-BCRS stride of the ops
 // in registers. Wide tiles move more bytes per pipeline step (the barrier, index fetch and address
 // math are per step): 256 beat 128 by 1.1-1.3x on the largest problems measured. Rows of at most
 // 128 bytes take the narrow tile whatever B's width (csrc/spmm.cu: launch), since in a wide one
-// half of every step's copies and products would be of zeros.
+// half of every step's copies and products would be of zeros. 4-bit B's rows of at most 64 bytes
+// (N <= 128) take a quarter tile for the same reason.
 constexpr int kWideTileBytes = 256;
 constexpr int kNarrowTileBytes = kWideTileBytes / 2;
+constexpr int kQuarterTileBytes = kWideTileBytes / 4;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kStages = 4;
@@ -122,7 +124,8 @@ struct Kind {
   static constexpr int kSparseRowBytes = kFp16 ? 64 : kSlots * AB / 8;
   static constexpr int kTileBytes = TB;
   static constexpr int kChunks = kTileBytes / 16;
-  static_assert(kChunks >= 8 && kChunks <= 16 && kChunks % kWarps == 0, "the swizzle needs >= 8 chunks");
+  static_assert((kChunks >= 8 || (kChunks == 4 && BB == 4)) && kChunks <= 16 && kChunks % kWarps == 0,
+                "tiles of 8 to 16 chunks, or 4 for 4-bit B (a warp's chunk: two m-tiles)");
   // Each thread copies one 16-byte chunk of kCopyRows of the 32 gathered rows per block.
   static constexpr int kCopyRows = kSlots * kChunks / kThreads;
   // Dense columns per 16-byte chunk and per CTA.
@@ -153,6 +156,18 @@ struct Kind {
     } else {
       // sparse k order = slot order
       return 8 * (2 * (s >> 4) + ((s >> 1) & 1)) + 2 * ((s >> 2) & 3) + (s & 1);
+    }
+  }
+
+  // Where 16-byte chunk c of shared row r lies in its row: ldmatrix reads one chunk of 8 consecutive
+  // rows, and the swizzle puts those 8 reads in distinct bank groups. Rows of 8 chunks or more XOR
+  // the chunk with r % 8; rows of 4, two to a 128-byte line, with (r / 2) % 4, so that the row's
+  // parity and the swizzled chunk name the group.
+  __device__ static __forceinline__ int swizzle(int c, int r) {
+    if constexpr (kChunks >= 8) {
+      return c ^ (r & 7);
+    } else {
+      return c ^ ((r >> 1) & 3);
     }
   }
 
@@ -800,7 +815,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
 #pragma unroll
   for (int q = 0; q < kCopyRows; ++q) {
     const int r = K::smem_row(cslot + kSlotStep * q);
-    cdst[q] = r * kTileBytes + ((cchunk ^ (r & 7)) * 16);
+    cdst[q] = r * kTileBytes + K::swizzle(cchunk, r) * 16;
   }
   const int sparse_chunks = v * K::kSparseRowBytes / 16;
 
@@ -879,7 +894,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
         for (int mt = 0; mt < kMT; ++mt) {
           const int chunk = wchunk0 + 2 * mt + (lm & 1);
           uint32_t a[4];
-          ldsm_x4_trans(stage + row * kTileBytes + ((chunk ^ li) * 16), a[0], a[1], a[2], a[3]);
+          ldsm_x4_trans(stage + row * kTileBytes + K::swizzle(chunk, li) * 16, a[0], a[1], a[2], a[3]);
           mma_16816_f16(r.accf[mt], a, bw.x, bw.y);
         }
       }
@@ -893,7 +908,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
       sparse_fragment<K>(a, g, sb);
       const uint32_t lrow = stage + (8 * lm + li) * kTileBytes;
       auto ldsm = [&](int chunk, uint32_t (&q)[4]) {
-        ldsm_x4_trans(lrow + ((chunk ^ li) * 16), q[0], q[1], q[2], q[3]);
+        ldsm_x4_trans(lrow + K::swizzle(chunk, li) * 16, q[0], q[1], q[2], q[3]);
       };
       if constexpr (BB == 8) {
 #pragma unroll

@@ -69,8 +69,9 @@ def main() -> int:
             vm = VectorMask(mask, v)
             p = SRBCRS.from_mask(vm, stride=32)
             # N = 36: misaligned rows (generic copies); N = 48: the narrow tile (8- and 16-bit B);
-            # N = 160: 16-byte copies with a partial tile (for every B).
-            for n in (36, 48, 160):
+            # N = 128: 4-bit B's quarter tile, whole; N = 160: 16-byte copies with a partial tile
+            # (for every B).
+            for n in (36, 48, 128, 160):
                 for a_bits, b_bits, a_signed in KINDS + [(0, 0, True)]:
                     if not check(g, p, vm.to_dense(), 2, 130, n, v, a_bits, b_bits, a_signed):
                         bad += 1
@@ -100,8 +101,8 @@ def main() -> int:
             if not check(g, p, vm.to_dense(), 2, 130, n, 2, a_bits, b_bits, a_signed, hint):
                 bad += 1
                 print(f"MISMATCH merged: n={n} longest_row={hint} a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
-    # The gather kernel's paired steps (every kind but 4-bit B under 4-bit A; the narrow
-    # tile and the wide one, whose 8-bit A and B and 16-bit A and B take the ring of five here) on
+    # The gather kernel's paired steps (every kind but 4-bit B under 4-bit A; the quarter, narrow
+    # and wide tiles, the wide one's 8-bit A and B and 16-bit A and B on the ring of five here) on
     # a row of 70 blocks, whose column indices past the 44-64 blocks copied to shared memory
     # come from global memory, an empty row and one of 4 blocks.
     os.environ["MAGICUBE_SPMM_KERNEL"] = "gather"
@@ -109,7 +110,7 @@ def main() -> int:
     mask[1], mask[2, :100] = True, True
     vm = VectorMask(mask, 8)
     p = SRBCRS.from_mask(vm, stride=32)
-    for n in (48, 160):
+    for n in (48, 128, 160):
         for a_bits, b_bits, a_signed in KINDS:
             if not check(g, p, vm.to_dense(), 2, 2240, n, 8, a_bits, b_bits, a_signed):
                 bad += 1
@@ -136,14 +137,14 @@ def main() -> int:
     # A row past the int32 accumulators' fold interval (513 blocks) in the gather kernel: on the
     # narrow tile (N = 48), where 8-bit B keeps the folds in local memory, and with 16-bit A's
     # planes stacked into one MMA (N = 160: the wide tile for 8- and 16-bit B), unsigned 16-bit and
-    # 12-bit A's at V 4.
+    # 12-bit A's at V 4 (N = 128 too: 4-bit B's quarter tile).
     os.environ["MAGICUBE_SPMM_KERNEL"] = "stacked"
     k = 32 * 513
     mask = torch.zeros(2, k, dtype=torch.bool)
     mask[1] = True
     for a_bits, b_bits, a_signed, n, v in ((8, 8, True, 48, 2), (16, 8, False, 48, 2), (16, 8, True, 160, 2),
                                            (16, 16, True, 160, 2), (16, 4, True, 160, 2), (12, 4, True, 160, 4),
-                                           (16, 8, False, 160, 4)):
+                                           (12, 4, True, 128, 4), (16, 8, False, 160, 4)):
         vm = VectorMask(mask, v)
         p = SRBCRS.from_mask(vm, stride=32)
         if not check(g, p, vm.to_dense(), 1, k, n, v, a_bits, b_bits, a_signed):

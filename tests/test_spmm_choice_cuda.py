@@ -274,6 +274,28 @@ def test_stacked_planes(kernels, monkeypatch, case):
     assert (instance["STACK"], instance["MERGE"]) == (str(stack), "false")
 
 
+# (a_bits, b_bits, V, sparsity, M = K, N, the gather kernel's tile in bytes, its TB): rows of B of at most
+# 64 bytes take the quarter tile with 4-bit B (on_fast_tile), the narrow one with 8-bit B; rows of
+# 128 bytes the narrow one, of 256 the wide one (8-bit B; 4-bit B's rows take 128 bytes at most).
+TILE_CASES = {
+    "L8-R4-64-byte-rows": (8, 4, 8, 0.9, 1024, 128, 64),
+    "L16-R4-32-byte-rows": (16, 4, 4, 0.9, 1024, 64, 64),
+    "L4-R4-128-byte-rows": (4, 4, 8, 0.9, 1024, 256, 128),
+    "L8-R8-64-byte-rows": (8, 8, 8, 0.9, 1024, 64, 128),
+    "L8-R8-256-byte-rows": (8, 8, 8, 0.9, 1024, 256, 256),
+}
+
+
+@pytest.mark.parametrize("case", TILE_CASES.values(), ids=TILE_CASES.keys())
+def test_gather_tile(kernels, monkeypatch, case):
+    """The gather kernel runs exactly, on the tile (its fifth template argument, TB) the case names."""
+    *shape, tile = case
+    monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", "gather")
+    call, reference = _problem(*shape)
+    assert torch.equal(call(), reference)
+    assert _gather_instance(*shape)["TB"] == str(tile)
+
+
 # The resident-B kernel's CTAs: 16 warps, or 4 (four an SM) where one wave of 16-warp CTAs would give
 # its warps more rows (launch_resident). Rows of 96 bytes (three 32-byte slices) of 8- and 4-bit B, 88
 # vector rows: at BH 24, 72 (slice, batch x head) pairs, which one 16-warp CTA an SM covers once (16
