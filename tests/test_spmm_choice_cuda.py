@@ -274,9 +274,9 @@ def test_stacked_planes(kernels, monkeypatch, case):
     assert (instance["STACK"], instance["MERGE"]) == (str(stack), "false")
 
 
-# (a_bits, b_bits, V, sparsity, M = K, N, the gather kernel's tile in bytes, its TB): rows of B of at most
-# 64 bytes take the quarter tile with 4-bit B (on_fast_tile), the narrow one with 8-bit B; rows of
-# 128 bytes the narrow one, of 256 the wide one (8-bit B; 4-bit B's rows take 128 bytes at most).
+# (a_bits, b_bits, V, sparsity, M = K, N, the gather kernel's tile TB in bytes): 4-bit B's rows of at
+# most 64 bytes take the quarter tile (on_fast_tile), 8-bit B's the narrow one; rows of 128 bytes the
+# narrow one; 8-bit B's rows of 256 bytes the wide one (4-bit B's tile is 128 bytes at most).
 TILE_CASES = {
     "L8-R4-64-byte-rows": (8, 4, 8, 0.9, 1024, 128, 64),
     "L16-R4-32-byte-rows": (16, 4, 4, 0.9, 1024, 64, 64),
