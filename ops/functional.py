@@ -29,6 +29,15 @@ def _heads(heads):
     return heads
 
 
+def _number(value, name: str) -> float:
+    """A real number (an int, a float, a one-element tensor) as a Python float, for the ops' float
+    arguments."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected a real number, got {value!r}") from None
+
+
 def expand_scale(scale, bh: int, n: int, name: str, device, heads: int | None = None) -> torch.Tensor:
     """A per-tensor, per-(batch x head) or per-row scale as an fp32 [BH, n] view (expanded, not
     copied: the fused attention reads it in place; spmm and sddmm take it contiguous). With `heads`,
@@ -112,8 +121,8 @@ def sparse_softmax(pattern: SRBCRS, values: torch.Tensor, *, scale: float = 1.0,
     whose scores hold +inf or NaN, or -inf alone, is NaN (its row scale NaN at integer widths).
     """
     p = _pattern(pattern, values.device)
-    return _ops.sparse_softmax(p.row_ptr, p.col_idx, p.row_order, values.contiguous(), p.v, float(scale), out_bits,
-                               p.longest_row)
+    return _ops.sparse_softmax(p.row_ptr, p.col_idx, p.row_order, values.contiguous(), p.v, _number(scale, "scale"),
+                               out_bits, p.longest_row)
 
 
 def sparse_attention(pattern: SRBCRS, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
@@ -154,7 +163,8 @@ def sparse_attention(pattern: SRBCRS, query: torch.Tensor, key: torch.Tensor, va
     sq, sk, sv = (None if s is None else expand_scale(s, bh, n, name, query.device, heads)
                   for s, n, name in ((scale_q, p.m, "scale_q"), (scale_k, p.k, "scale_k"), (scale_v, dv, "scale_v")))
     out = _ops.sparse_attention(p.row_ptr, p.col_idx, p.row_order, query, key, value, sq, sk, sv, p.v,
-                                float(softmax_scale), qk_bits, p_bits, 1 if heads is None else heads, p.longest_row)
+                                _number(softmax_scale, "softmax_scale"), qk_bits, p_bits, 1 if heads is None else heads,
+                                p.longest_row)
     return out.view(bh, p.m, dv) if heads is None else out
 
 

@@ -273,6 +273,10 @@ def test_sddmm_and_softmax_reject_bad_inputs_with_messages():
     with pytest.raises(ValueError, match=r"pattern: the ops read SR-BCRS of stride 32, got stride 16"):
         from magicube.ops import SRBCRS
         sparse_softmax(SRBCRS.from_mask(p.vector_mask(), stride=16), args[3])
+    for scale in ("a", None, torch.ones(2)):
+        with pytest.raises(ValueError, match=r"scale: expected a real number, got"):
+            sparse_softmax(p, args[3], scale=scale)
+    sparse_softmax(p, args[3], scale=torch.tensor(0.5))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

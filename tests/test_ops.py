@@ -284,6 +284,8 @@ def test_sparse_attention_heads_layout(p_bits, qk_bits):
         assert torch.equal(out, flat.view(bh // heads, heads, length, d).transpose(1, 2))
     with pytest.raises(ValueError, match=r"heads: expected a positive divisor of BH = 6 .*got 4"):
         sparse_attention(p, q, k, val, **args, **per_head, heads=4)
+    with pytest.raises(ValueError, match=r"softmax_scale: expected a real number, got None"):
+        sparse_attention(p, q, k, val, **dict(args, softmax_scale=None), **per_head)
     if p_bits:  # one scale per head ([heads]), shared by the batch: the [BH] scales that repeat it
         shared = {name: x[:2] for name, x in per_head.items()}
         out = sparse_attention(p, q, k, val, **args, **shared, heads=2)
