@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from magicube.eval.args import fraction, positive_int
 from magicube.eval.timing import cpu_time, cuda_time, environment, save_json
 from magicube.model.lra import QUANTIZED, LRAClassifier, LRAConfig
 from magicube.train.finetune import calibrate, set_calibrated_scales
@@ -175,12 +176,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m magicube.eval.bench_model", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
-    parser.add_argument("--batch", nargs="+", type=int, default=[2, 8])
-    parser.add_argument("--length", nargs="+", type=int, default=[4096, 8192])
-    parser.add_argument("--heads", nargs="+", type=int, default=[4, 8], help="embedding = 64 x heads")
-    parser.add_argument("--sparsity", nargs="+", type=float, default=[0.9, 0.95])
-    parser.add_argument("--v", type=int, default=8)
-    parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--batch", nargs="+", type=positive_int, default=[2, 8])
+    parser.add_argument("--length", nargs="+", type=positive_int, default=[4096, 8192])
+    parser.add_argument("--heads", nargs="+", type=positive_int, default=[4, 8], help="embedding = 64 x heads")
+    parser.add_argument("--sparsity", nargs="+", type=fraction, default=[0.9, 0.95])
+    parser.add_argument("--v", type=positive_int, default=8)
+    parser.add_argument("--reps", type=positive_int, default=100)
     parser.add_argument("--cuda-graph", action="store_true", help="time replays of a captured CUDA graph")
     parser.add_argument("--scales", choices=("absmax", "calibrated"), default="absmax",
                         help="Q/K/V scales of the quantized backends: per batch x head on every forward, or "

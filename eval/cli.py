@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from magicube.eval.args import positive_int
+
 # the integer backends of magicube.model.QUANTIZED, named here so that `magicube --help` needs no torch
 QUANTIZED = ("16b-8b", "8b-8b", "8b-4b")
 
@@ -190,8 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--backends", nargs="+", help="dense dense-fp16 sparse-masked sparse 16b-8b 8b-8b 8b-4b, or 16b-8b-fake "
                    "8b-8b-fake 8b-4b-fake (the fake-quantized finetuning path) (default: the config's)")
     e.add_argument("--split", help="default: the config's eval.split (test)")
-    e.add_argument("--batch-size", type=int)
-    e.add_argument("--max-batches", type=int, help="evaluate only the first N batches")
+    e.add_argument("--batch-size", type=positive_int)
+    e.add_argument("--max-batches", type=positive_int, help="evaluate only the first N batches")
     e.add_argument("--out", help="report path without suffix (.md and .json are written)")
     e.add_argument("--fused", action="store_true", help="run the sparse backends as the one fused attention op")
     e.add_argument("--no-progress", action="store_true")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from magicube.eval.args import positive_int
+
 
 def capture(fn, calls: int = 1):
     """Replay of a CUDA graph holding `calls` back-to-back fn() calls, or None if fn cannot be captured.
@@ -155,7 +157,7 @@ def kernel_bench_args(module: str, doc: str, argv, *, quick: str, reps: int, rep
     ap = argparse.ArgumentParser(prog=f"python -m magicube.eval.{module}", description=doc.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=quick)
     ap.add_argument("--out", default="eval/results", help="directory for the JSON and the plot")
-    ap.add_argument("--reps", type=int, default=reps, help=reps_help)
+    ap.add_argument("--reps", type=positive_int, default=reps, help=reps_help)
     if extra is not None:
         extra(ap)
     args = ap.parse_args(argv)

@@ -1,5 +1,6 @@
 """The `magicube` command line."""
 import json
+import re
 import subprocess
 import sys
 
@@ -120,6 +121,23 @@ def test_bench_checks_every_backend_and_says_cpu_timings_are_cpu_timings(tmp_pat
     assert rows["materialized"]["model_rel_err"] < 1e-5 and rows["sparse"]["model_rel_err"] < 1e-2
     assert 0 < rows["8b-8b"]["layer_rel_err"] < 0.05
     assert result["environment"]["device"].startswith("CPU")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "--reps", "0"], "argument --reps: expected a positive integer, got 0"),
+    (["bench", "--batch", "2", "-1"], "argument --batch: expected a positive integer, got -1"),
+    (["bench", "--heads", "two"], "argument --heads: expected a positive integer, got 'two'"),
+    (["bench", "--sparsity", "1.5"], r"argument --sparsity: expected a fraction in \[0, 1\), got 1.5"),
+    (["evaluate", "run", "--batch-size", "0"], "argument --batch-size: expected a positive integer, got 0"),
+    (["evaluate", "run", "--max-batches", "-2"], "argument --max-batches: expected a positive integer, got -2"),
+])
+def test_counts_out_of_range_are_refused_by_option(args, message, capsys):
+    """Refused as the command line is read, naming the option. Before, evaluate's --batch-size 0 fell
+    back to the config's batch size and --max-batches -2 kept all but the last 2 x batch size examples
+    of the shuffled split; the benchmark took such values into the run."""
+    with pytest.raises(SystemExit):
+        main(args)
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_errors_are_reported_not_raised(tmp_path, capsys):
