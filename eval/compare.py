@@ -18,13 +18,12 @@ match.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-from magicube.eval.evaluate import write_markdown_and_json
+from magicube.eval.evaluate import read_json, write_markdown_and_json
 
 # Record fields that name a cell (those a record has): what it runs, then its shape and pattern.
 IDENTITY = ("section", "kernel", "method", "kind", "mask", "b", "h", "seq", "d", "bh", "m", "k", "n", "v",
@@ -73,6 +72,9 @@ def compare(old: dict, new: dict, by: str = "sparsity") -> dict:
         if by in b[key]:
             ratios[label][b[key][by]].append(ratio)
 
+    if not any(by in b[key] for key in common):
+        named = sorted({f for key in common for f, _ in key if f not in LABELS})
+        raise ValueError(f"--by: no cell of the two runs has {by!r}; their cells have {', '.join(named)}")
     geomean = statistics.geometric_mean
     groups = sorted({g for per in ratios.values() for g in per if g != "all"}, key=lambda g: (str(type(g)), g))
     rows = {label: {"cells": len(per["all"]), "all": geomean(per["all"]),
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
         if not path.is_file():
             parser.error(f"no such benchmark JSON: {path}")
     try:
-        result = compare(json.loads(args.old.read_text()), json.loads(args.new.read_text()), args.by)
+        result = compare(read_json(args.old), read_json(args.new), args.by)
     except ValueError as e:
         parser.error(str(e))
     text = to_markdown(result)

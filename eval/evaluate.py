@@ -147,6 +147,14 @@ def report_paths(out: str | Path) -> tuple[Path, Path]:
     return out.with_name(out.name + ".md"), out.with_name(out.name + ".json")
 
 
+def read_json(path: str | Path):
+    """The JSON in `path`, or a ValueError that names the file."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+
+
 def write_markdown_and_json(text: str, data: dict, out: str | Path) -> tuple[Path, Path]:
     """Write `text` to `<out>.md` and `data` to `<out>.json`."""
     md, js = report_paths(out)

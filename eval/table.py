@@ -16,11 +16,10 @@ that row where it exists (the cost of the integer kernels alone), else to "spars
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from magicube.eval.evaluate import write_markdown_and_json
+from magicube.eval.evaluate import read_json, write_markdown_and_json
 from magicube.model.lra import QUANTIZED
 
 DENSE_ROWS = {"dense": "dense fp32", "dense-fp16": "dense fp16"}
@@ -103,7 +102,13 @@ def main(argv=None) -> int:
     missing = [str(p) for p in args.reports if not p.is_file()]
     if missing:
         parser.error(f"no such report: {', '.join(missing)}")
-    reports = [json.loads(p.read_text()) for p in args.reports]
+    try:
+        reports = [read_json(p) for p in args.reports]
+    except ValueError as e:
+        parser.error(str(e))
+    for path, report in zip(args.reports, reports):
+        if not (isinstance(report, dict) and isinstance(report.get("results"), list) and "trained_with" in report):
+            parser.error(f"{path}: not a report of `magicube evaluate` (it has 'results' and 'trained_with')")
     table = collect(reports)
     table["sources"] = [{"report": str(p), "checkpoint": r.get("checkpoint"), "commit": r.get("commit"),
                          "device": r.get("device")} for p, r in zip(args.reports, reports)]

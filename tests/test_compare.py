@@ -86,6 +86,15 @@ def test_command_prints_and_writes_the_table(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["compare", str(old), str(tmp_path / "missing.json")])
     assert "no such benchmark JSON" in capsys.readouterr().err
+    # a file that holds no JSON, and a --by that no cell has, are named (before: the decoder's
+    # message alone, and a table without the breakdown)
+    (tmp_path / "cut.json").write_text('{"records": [')
+    with pytest.raises(SystemExit):
+        main(["compare", str(old), str(tmp_path / "cut.json")])
+    assert f"{tmp_path / 'cut.json'}: not a readable JSON file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["compare", str(old), str(new), "--by", "sparsty"])
+    assert "--by: no cell of the two runs has 'sparsty'; their cells have" in capsys.readouterr().err
 
 
 def test_markdown_leaves_groups_a_kernel_lacks_empty():

@@ -54,3 +54,15 @@ def test_command_writes_markdown_and_json(tmp_path):
     saved = json.loads((tmp_path / "t5.json").read_text())
     assert saved["cells"]["8b-8b"] == {"random 0.9": 0.596} and len(saved["sources"]) == len(REPORTS)
     assert (tmp_path / "t5.md").read_text().startswith("| precision | dense | random 0.9 | structured 0.95 |")
+
+
+def test_command_names_a_file_that_is_not_a_report(tmp_path, capsys):
+    """A file that holds no JSON, or JSON that is not an evaluate report, is named (before: a
+    JSONDecodeError's message alone, and a KeyError traceback)."""
+    cut, bench = tmp_path / "cut.json", tmp_path / "bench.json"
+    cut.write_text('{"results": [')
+    bench.write_text(json.dumps({"records": []}))
+    for path, message in ((cut, "not a readable JSON file"), (bench, "not a report of `magicube evaluate`")):
+        with pytest.raises(SystemExit):
+            main(["table", str(path)])
+        assert f"{path}: {message}" in capsys.readouterr().err
