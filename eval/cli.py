@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "8b-8b-fake 8b-4b-fake (the fake-quantized finetuning path) (default: the config's)")
     e.add_argument("--split", help="default: the config's eval.split (test)")
     e.add_argument("--batch-size", type=positive_int)
-    e.add_argument("--max-batches", type=positive_int, help="evaluate only the first N batches")
+    e.add_argument("--max-batches", type=positive_int,
+                   help="evaluate N batches only (a fixed random subset of the split, the same for every backend)")
     e.add_argument("--out", help="report path without suffix (.md and .json are written)")
     e.add_argument("--fused", action="store_true", help="run the sparse backends as the one fused attention op")
     e.add_argument("--no-progress", action="store_true")

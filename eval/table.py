@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         parser.error(str(e))
     for path, report in zip(args.reports, reports):
         if not (isinstance(report, dict) and isinstance(report.get("results"), list) and "trained_with" in report):
-            parser.error(f"{path}: not a report of `magicube evaluate` (it has 'results' and 'trained_with')")
+            parser.error(f"{path}: not a report of `magicube evaluate` (a report has 'results' and 'trained_with')")
     table = collect(reports)
     table["sources"] = [{"report": str(p), "checkpoint": r.get("checkpoint"), "commit": r.get("commit"),
                          "device": r.get("device")} for p, r in zip(args.reports, reports)]
