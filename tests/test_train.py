@@ -58,7 +58,8 @@ def test_counts_out_of_range_are_refused_by_name(tmp_path):
     for extra, message in (("train.batch_size=0", r"train.batch_size: expected an integer >= 1, got 0"),
                            ("train.steps=-1", r"train.steps: expected an integer >= 0, got -1"),
                            ("train.steps=2.5", r"train.steps: expected an integer >= 0, got 2.5"),
-                           ("train.warmup=-1", r"train.warmup: expected an integer >= 0, got -1")):
+                           ("train.warmup=-1", r"train.warmup: expected an integer >= 0, got -1"),
+                           ("model.num_layers=0", r"num_layers: expected an integer >= 1, got 0")):
         with pytest.raises(ValueError, match=message):
             train(tiny_cfg(tmp_path, "counts", extra), progress=False)
     assert not (tmp_path / "counts").exists()

@@ -323,8 +323,9 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
     `init_model(config, train_split, device, resuming)` builds the model in place of a fresh
     one (finetuning starts from trained weights); when resuming, the checkpoint's weights follow.
     """
-    for section, known in (("model", MODEL_KEYS), ("train", TRAIN_KEYS)):  # before anything is written
-        _check_keys(cfg, section, known)
+    # The model and train sections checked before anything is written.
+    mcfg = model_config(cfg)
+    _check_keys(cfg, "train", TRAIN_KEYS)
     tc = cfg["train"]
     for key, least in TRAIN_COUNTS.items():
         check_count(f"train.{key}", tc.get(key, least), least)
@@ -338,7 +339,6 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
         dump_config(cfg, out_dir / "config.yaml")
 
     torch.manual_seed(seed)  # weight initialization
-    mcfg = model_config(cfg)
     with accelerator.main_process_first():
         splits = data_mod.load_tensors(cfg["data"], mcfg.input_len)
     train_ids, train_labels = splits["train"]
