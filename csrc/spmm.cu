@@ -167,7 +167,11 @@ bool can_stack(int64_t a_bits, bool a_signed, int64_t v) {
 // M = K 1536 and 3072, N 96-384, sparsity 0.93-0.985), and on 432 fresh cells (L12-R4 and unsigned
 // L16-R4, -R8, -R16, BH 1-3, M = K 896-4864, 4.4-18 CTAs an SM, sparsity 0.9-0.99) the 208 that the
 // waves moved took 0.836x and 0.834x the time in two A/Bs, 0.73-1.01x by cell, the others 1.000x
-// and 1.004x (kernel_checks.md, sixty-fifth round).
+// and 1.004x (kernel_checks.md, sixty-fifth round). None stack by default on 4-bit B's quarter tile
+// (on_fast_tile): there, forced, the stacked form took 1.07-1.22x the two-MMA form's time by A, V
+// and BH (H200, 12- and 16-bit A at V 2, 12-bit A at V 4, BH 1-16, M = K 512-4096, N 32-128, 786
+// cells; 0.91-1.36x by cell), and the 38 of those cells that the rule stacked took 1.12x
+// (kernel_checks.md, eighty-fourth round).
 template <int AB, bool AS, int BB, int TB>
 void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice,
                  int64_t a_bits) {
@@ -179,7 +183,7 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
   if constexpr (AB == 16 && !sd::Kind<AB, AS, BB, TB>::kLocalSums) {
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const bool forced = choice == Choice::kStacked;
-    const bool open = choice != Choice::kGather && choice != Choice::kMerged;
+    const bool open = choice != Choice::kGather && choice != Choice::kMerged && TB != sd::kQuarterTileBytes;
     const auto rows_pay = [&] { return nnz_pad >= 2 * kSlots * vrows || (BB == 16 && one_waves() > 1); };
     if (p.v == 2 && can_stack(a_bits, AS, 2) && (forced || (open && ctas >= 4 * sms && rows_pay())))
       return launch_tiles<AB, AS, BB, true, TB, 2>(p, vrows, bh, stream);
@@ -333,6 +337,16 @@ std::pair<int64_t, int64_t> resident_groups(int64_t smem, int64_t slices, int64_
 // 0.98) and 0.804x (168 cells, this bound; 0.65-1.17x by cell), the others 1.000x. Not with 8-bit
 // A, whose gather kernel runs such rows faster (M = K 1536, V 2, sparsity 0.96: 3.9 us against 4.6
 // resident; 5.0-5.5 with 4-, 12- and 16-bit A; kernel_checks.md, sixty-sixth round).
+// 4-bit B's rows of at most 64 bytes run on the gather kernel's quarter tile (on_fast_tile), which
+// took 0.74-0.81x the narrow tile's time on them, and count against that tile: a quarter of it from
+// 10 KB, half from 20 KB, more from 80 KB, and batched down to a sixteenth at BH 16 (busy grids keep
+// at least their quarter). Fitted on an H200 with every way forced and the choice of each count
+// read back (1896 cells: the four 4-bit B pairs, N 32-128, M = K 512-4096, V 2 / 4 / 8, sparsity
+// 0.5-0.98 on the sweep's grid and 0.6-0.96 beside it, BH 1, 4 and 16), the choice took 1.014x the
+// fastest way's time against 1.032x with the narrow tile's counts; on 1248 fresh cells (M = K
+// 640-3584, sparsity 0.65-0.97, BH 1, 2 and 8) 1.023x against 1.029x, and with the quarter tile's
+// rows no longer stacked (launch_fast) 1.015x; the 172 cells the two moved took 0.90x the time,
+// 0.74-1.33x by cell (kernel_checks.md, eighty-fourth round).
 // Wider rows of 8-bit B take the gather kernel's wide tile at L2 bandwidth, and the resident
 // kernel's shared-memory gathers lose to bank conflicts (N 256: 8.6 against 14.5 us at the SpMM
 // target). Returns whether it ran.
@@ -359,8 +373,9 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const int64_t rows = split ? small_rows : wide_rows;
   const int64_t busy_warps = slices * bh * ((vrows + rows - 1) / rows) / props->multiProcessorCount;
   // The gather kernel's bytes per SM and unit of V (each gathered row feeds V output rows), and
-  // where the resident kernel starts to pay, by the share of the narrow tile that a row fills.
-  const int64_t tile = sd::kNarrowTileBytes, rb = p.row_bytes;
+  // where the resident kernel starts to pay, by the share of the tile that a row fills (the narrow
+  // tile, or the quarter tile for 4-bit B's rows on it).
+  const int64_t tile = sd::kNarrowTileBytes, quarter = sd::kQuarterTileBytes, rb = p.row_bytes;
   const int64_t gathers = bh * nnz_pad * rb / (props->multiProcessorCount * p.v);
   const bool narrow = rb <= tile || (BB == 4 && rb <= 2 * tile);
   const bool long_rows = nnz_pad >= 4 * kSlots * vrows;
@@ -369,11 +384,13 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const bool quarter_split = split && bh >= 8 && (4 * rb <= 3 * tile || (BB == 4 && 8 * rb <= 7 * tile && long_rows));
   const bool quarter_busy = BB == 4 && AB != 8 && 2 * rb <= tile && 4 * rb > tile && busy_warps >= 10 &&
                             32 * rows * nnz_pad >= vrows * p.k;
-  const int64_t batched = quarter_busy ? 4
+  const bool on_quarter = BB == 4 && rb <= quarter;
+  const int64_t batched = on_quarter ? std::max<int64_t>(quarter_busy ? 4 : 1, std::min<int64_t>(bh, 16))
                           : 2 * rb <= tile || (BB == 4 && p.v == 8 && rb <= tile) || quarter_at_v4 || quarter_split
                               ? std::min<int64_t>(bh, 4)
                               : 1;
-  const int64_t pays_from = (8 * rb <= tile   ? 6 << 10
+  const int64_t pays_from = (on_quarter       ? (4 * rb <= quarter ? 10 << 10 : 2 * rb <= quarter ? 20 << 10 : 80 << 10)
+                             : 8 * rb <= tile ? 6 << 10
                              : 4 * rb <= tile ? 12 << 10
                              : 2 * rb <= tile ? 24 << 10
                              : rb <= tile     ? 96 << 10

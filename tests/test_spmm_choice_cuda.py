@@ -183,11 +183,13 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
 # (rows of 128 bytes), M = K = 768, BH 24: 52.4 KB, still against 96. So do 4-bit B's rows of up to
 # 112 bytes where A's rows average four blocks or more: L8-R4 at N 224, sparsity 0.8, M = K = 704
 # (five blocks a row), BH 12: 70.0 KB against 24 (six rows a warp in 16-warp CTAs, four in 4-warp).
-# 4-bit B's rows of 33-64 bytes take a quarter at any BH where the resident grid keeps ten warps an
-# SM or more in rows, but not with 8-bit A: L16-R4 at V 2, N 128, sparsity 0.95, M = K = 1536 (768
-# vector rows, a row a warp, 11 busy warps an SM on 132 SMs), BH 1: 17.5 KB against 6 (before, 24;
-# L8-R4 there still against 24); L4-R4 at sparsity 0.9, M = K = 1024 (7 busy warps an SM): 15.5 KB,
-# still against 24.
+# 4-bit B's rows of at most 64 bytes count against the quarter tile: rows of 33-64 bytes from 80 KB,
+# a quarter of it at any BH where the resident grid keeps ten warps an SM or more in rows, but not
+# with 8-bit A: L4-R4 at V 2, N 128, sparsity 0.85, M = K = 1536 (768 vector rows, a row a warp, 11
+# busy warps an SM on 132 SMs), BH 1: 46.5 KB against 20 (L8-R4 there against 80); L16-R4 at
+# sparsity 0.95: 17.5 KB, under 20 (before the quarter tile's counts, against 6: the resident
+# kernel, which took 1.4x the gather kernel's time in a cell beside it); L4-R4 at sparsity 0.9, M =
+# K = 1024 (7 busy warps an SM): 15.5 KB against 80.
 BATCHED_CASES = [
     pytest.param((8, 8, 4, 0.9, 2048, 128), 16, "resident", id="dense-factor-resident", marks=wgmma_estimate),
     pytest.param((8, 8, 2, 0.5, 2048, 256), 16, "dense", id="dense-factor-dense", marks=wgmma_estimate),
@@ -204,8 +206,9 @@ BATCHED_CASES = [
     on_resident_grid((8, 8, 4, 0.75, 512, 96), 24, "resident", "8-bit-b-96-byte-rows-4-warp-ctas-bh24"),
     on_resident_grid((8, 4, 4, 0.8, 704, 224), 12, "resident", "4-bit-b-112-byte-long-rows-4-warp-ctas-bh12"),
     pytest.param((8, 8, 8, 0.75, 768, 128), 24, "gather", id="8-bit-b-128-byte-rows-bh24"),
-    on_resident_grid((16, 4, 2, 0.95, 1536, 128), 1, "resident", "4-bit-b-64-byte-rows-busy-warps-bh1"),
-    on_resident_grid((8, 4, 2, 0.95, 1536, 128), 1, "gather", "8-bit-a-64-byte-rows-busy-warps-bh1"),
+    on_resident_grid((4, 4, 2, 0.85, 1536, 128), 1, "resident", "4-bit-b-64-byte-rows-busy-warps-bh1"),
+    on_resident_grid((8, 4, 2, 0.85, 1536, 128), 1, "gather", "8-bit-a-64-byte-rows-busy-warps-bh1"),
+    on_resident_grid((16, 4, 2, 0.95, 1536, 128), 1, "gather", "4-bit-b-64-byte-rows-busy-warps-few-gathers-bh1"),
     on_resident_grid((4, 4, 2, 0.9, 1024, 128), 1, "gather", "4-bit-b-64-byte-rows-few-warps-bh1"),
 ]
 
@@ -229,13 +232,14 @@ def test_forced_way_runs(kernels, monkeypatch, way):
 # (a_bits, b_bits, V, sparsity, M = K, N, False where A is unsigned, MAGICUBE_SPMM_KERNEL, the V at
 # which the gather kernel stacks A's planes, 0 where it does not): by default 16-bit A at V 2 where
 # rows average two blocks or more (here 4) and the grid holds four CTAs an SM or more (1024 here, on
-# GPUs of up to 256 SMs), not on 8-bit B's narrow tile (rows of at most 128 bytes), nor on rows of
-# one block (sparsity 0.99; M = K = 2044, not a multiple of 8, so that no rows merge) but with
-# 16-bit B, whose two-MMA form takes the 1022 CTAs in more than one wave, nor on a grid of 256 CTAs;
-# and 12-bit A and unsigned 16-bit A at V 4 where the grid holds ten or more (2048 here, on GPUs of
-# up to 204 SMs) or where the stacked form's occupancy runs it in fewer waves (12-bit A with 4-bit
-# B: six CTAs an SM against four; 640 CTAs, one wave against two on GPUs of 107-159 SMs; not 896,
-# two waves either way on 112-149 SMs, nor 256), never signed 16-bit A at V 4. `stacked` stacks
+# GPUs of up to 256 SMs), not on 8-bit B's narrow tile (rows of at most 128 bytes) nor on 4-bit B's
+# quarter tile (at most 64 bytes; here 15.5 KB of gathers an SM, under the resident kernel's 20), nor
+# on rows of one block (sparsity 0.99; M = K = 2044, not a multiple of 8, so that no rows merge) but
+# with 16-bit B, whose two-MMA form takes the 1022 CTAs in more than one wave, nor on a grid of 256
+# CTAs; and 12-bit A and unsigned 16-bit A at V 4 where the grid holds ten or more (2048 here, on
+# GPUs of up to 204 SMs) or where the stacked form's occupancy runs it in fewer waves (12-bit A with
+# 4-bit B: six CTAs an SM against four; 640 CTAs, one wave against two on GPUs of 107-159 SMs; not
+# 896, two waves either way on 112-149 SMs, nor 256), never signed 16-bit A at V 4. `stacked` stacks
 # wherever it can, `gather` never does.
 STACK_CASES = {
     "L16-R8-wide": (16, 8, 2, 0.95, 2048, 256, "auto", 2),
@@ -261,6 +265,8 @@ STACK_CASES = {
     "L16-R8-few-ctas": (16, 8, 2, 0.9, 512, 256, "auto", 0),
     "L16-R8-few-ctas-stacked": (16, 8, 2, 0.9, 512, 256, "stacked", 2),
     "L16-R8-wide-gather": (16, 8, 2, 0.95, 2048, 256, "gather", 0),
+    "L16-R4-quarter-tile": (16, 4, 2, 0.95, 2048, 64, "auto", 0),
+    "L16-R4-quarter-tile-stacked": (16, 4, 2, 0.95, 2048, 64, "stacked", 2),
 }
 
 
