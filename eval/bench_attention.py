@@ -133,7 +133,8 @@ def run_config(b, h, seq, sparsity, mask_kind, reps, pipeline, log):
         gather_bits=16)
 
     for p_bits, qk_bits in QUANT:
-        quant_ms = cuda_time(lambda: quantize_qkv(qkv, qk_bits), warmup=3, reps=max(10, reps // 2), graph=True)["median_ms"]
+        quant_ms = cuda_time(lambda: quantize_qkv(qkv, qk_bits), warmup=3, reps=max(10, reps // 2),
+                             graph=True)["median_ms"]
         (qq, kq, vq), scales = quantize_qkv(qkv, qk_bits)
         # per batch x head, read in place by the fused op; the pipeline's kernels take them contiguous
         sq, sk, sv = (s[:, None].expand(bh, n) for s, n in zip(scales, (seq, seq, D)))

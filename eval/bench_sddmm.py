@@ -70,18 +70,22 @@ def run(cfg, reps: int, log=print) -> dict:
         for name, bits in PRECISIONS:
             a, b = _inputs(bh, m, n, k, bits, "cuda")
             if bits == 0:
-                fn = lambda a=a, b=b: ops.sddmm(*idx, a, b, None, None, v, 16, torch.float16, pat.longest_row)  # noqa: E731
+                fn = lambda a=a, b=b: ops.sddmm(  # noqa: E731
+                    *idx, a, b, None, None, v, 16, torch.float16, pat.longest_row)
             else:
-                fn = lambda a=a, b=b: ops.sddmm(*idx, a, b, sa, sb, v, bits, torch.float16, pat.longest_row)  # noqa: E731
+                fn = lambda a=a, b=b: ops.sddmm(  # noqa: E731
+                    *idx, a, b, sa, sb, v, bits, torch.float16, pat.longest_row)
             t = cuda_time(fn, reps=reps)
-            records.append(dict(base, kernel=f"sddmm {name}", speedup_vs_dense=dense["median_ms"] / t["median_ms"], **t))
+            records.append(dict(base, kernel=f"sddmm {name}", speedup_vs_dense=dense["median_ms"] / t["median_ms"],
+                                **t))
             log(f"M=N={m} K={k} BH={bh} V={v} sp={sparsity}: sddmm {name} {t['median_ms'] * 1e3:.1f} us, "
                 f"dense {dense['median_ms'] * 1e3:.1f} us, x{dense['median_ms'] / t['median_ms']:.2f}")
             if bits == 0:
                 scores = fn()
             del a, b
         for out_bits in cfg["softmax_bits"]:
-            fn = lambda scores=scores: ops.sparse_softmax(*idx, scores, v, k ** -0.5, out_bits, pat.longest_row)  # noqa: E731
+            fn = lambda scores=scores: ops.sparse_softmax(  # noqa: E731
+                *idx, scores, v, k ** -0.5, out_bits, pat.longest_row)
             t = cuda_time(fn, reps=reps)
             elems = scores.numel()
             out_bytes = elems * {0: 2, 16: 2, 8: 1, 4: 0.5}[out_bits]

@@ -189,8 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("evaluate", help="test accuracy of a checkpoint under each attention backend")
     e.add_argument("checkpoint", help="a checkpoint folder or a run folder (its latest checkpoint)")
-    e.add_argument("--backends", nargs="+", help="dense dense-fp16 sparse-masked sparse 16b-8b 8b-8b 8b-4b, or 16b-8b-fake "
-                   "8b-8b-fake 8b-4b-fake (the fake-quantized finetuning path) (default: the config's)")
+    e.add_argument("--backends", nargs="+",
+                   help="dense dense-fp16 sparse-masked sparse 16b-8b 8b-8b 8b-4b, or 16b-8b-fake 8b-8b-fake "
+                   "8b-4b-fake (the fake-quantized finetuning path) (default: the config's)")
     e.add_argument("--split", help="default: the config's eval.split (test)")
     e.add_argument("--batch-size", type=positive_int)
     e.add_argument("--max-batches", type=positive_int,

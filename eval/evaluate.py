@@ -128,7 +128,8 @@ def to_markdown(report: dict) -> str:
     head = (f"{report['task']} {report['split']} accuracy, checkpoint step {report['step']} "
             f"({tuned}, {report['mask_kind']} mask, sparsity {report['sparsity']}, V={report['v']}), "
             f"on {report['device']}\n\n")
-    lines = ["| backend | attention | accuracy | loss | examples | seconds |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| backend | attention | accuracy | loss | examples | seconds |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
     for r in report["results"]:
         lines.append(f"| {r['backend']} | {r['description']} | {100 * r['accuracy']:.2f} % | {r['loss']:.4f} | "
                      f"{r['examples']} | {r['seconds']:.1f} |")

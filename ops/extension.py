@@ -25,7 +25,8 @@ import torch
 from filelock import FileLock
 
 FAMILIES = ("quantize", "spmm", "sddmm", "softmax", "attention")
-OP_FAMILY = {"quantize": "quantize", "spmm": "spmm", "sddmm": "sddmm", "sparse_softmax": "softmax", "sparse_attention": "attention"}
+OP_FAMILY = {"quantize": "quantize", "spmm": "spmm", "sddmm": "sddmm", "sparse_softmax": "softmax",
+             "sparse_attention": "attention"}
 DEFAULT_ARCHS = ("80", "90a")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"

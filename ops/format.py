@@ -45,6 +45,11 @@ def _check_vector_length(v: int) -> None:
         raise ValueError(f"v: expected one of {VECTOR_LENGTHS}, got {v!r}")
 
 
+def _described(x) -> str:
+    """A tensor's dtype and shape, or what else was given, for an error message."""
+    return f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
 @dataclass(frozen=True)
 class VectorMask:
     """Which V x 1 column vectors of an M x K matrix are kept.
@@ -58,8 +63,7 @@ class VectorMask:
     def __post_init__(self):
         _check_vector_length(self.v)
         if not isinstance(self.mask, torch.Tensor) or self.mask.dtype != torch.bool or self.mask.dim() != 2:
-            got = f"{self.mask.dtype} tensor of shape {tuple(self.mask.shape)}" if isinstance(self.mask, torch.Tensor) else type(self.mask).__name__
-            raise ValueError(f"mask: expected a 2-D bool tensor of shape (M/V, K), got {got}")
+            raise ValueError(f"mask: expected a 2-D bool tensor of shape (M/V, K), got {_described(self.mask)}")
 
     @property
     def m(self) -> int:
@@ -103,8 +107,7 @@ def vector_mask_from_dense(dense: torch.Tensor, v: int) -> VectorMask:
     """Validate an (M, K) bool mask made of whole V x 1 vectors and return its VectorMask."""
     _check_vector_length(v)
     if not isinstance(dense, torch.Tensor) or dense.dtype != torch.bool or dense.dim() != 2:
-        got = f"{dense.dtype} tensor of shape {tuple(dense.shape)}" if isinstance(dense, torch.Tensor) else type(dense).__name__
-        raise ValueError(f"dense: expected a 2-D bool tensor (M, K), got {got}")
+        raise ValueError(f"dense: expected a 2-D bool tensor (M, K), got {_described(dense)}")
     m, k = dense.shape
     if m % v:
         raise ValueError(f"dense: its {m} rows are not a multiple of v={v}")
@@ -160,7 +163,8 @@ class SRBCRS:
         starts, ends = self.row_ptr[0::2].long(), self.row_ptr[1::2].long()
         padded = torch.diff(starts, append=starts.new_tensor([self.nnz_pad]))
         if (rows and int(starts[0]) != 0) or bool((starts % self.stride != 0).any()) or bool((padded < 0).any()):
-            raise ValueError(f"row_ptr: row starts must begin at 0, ascend and be multiples of the stride {self.stride}")
+            raise ValueError(f"row_ptr: row starts must begin at 0, ascend and be multiples of the stride "
+                             f"{self.stride}")
         if bool(((ends < starts) | (ends - starts > padded) | (padded - (ends - starts) >= self.stride)).any()):
             raise ValueError("row_ptr: each pair must be (start, start + kept count) with the count padded by less "
                              "than one stride")

@@ -78,7 +78,8 @@ def sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, out_dtyp
     row, col = value_coordinates(row_ptr, col_idx, v, OP_STRIDE)
     pad = col < 0
     col = col.clamp(min=0)
-    acc = [(am[part] @ bm[part].transpose(1, 2))[:, row, col] for part in _chunks(am.shape[0], am.shape[1] * bm.shape[1])]
+    parts = _chunks(am.shape[0], am.shape[1] * bm.shape[1])
+    acc = [(am[part] @ bm[part].transpose(1, 2))[:, row, col] for part in parts]
     acc = torch.cat(acc) if acc else am.new_zeros(0, row.numel())
     acc = _integers(acc, quantized).masked_fill(pad, 0)
     scale = None if scale_a is None else scale_a[:, row] * scale_b[:, col]

@@ -168,8 +168,19 @@ def test_mask_from_dense_checks_whole_vectors():
         vector_mask_from_dense(dense, 4)
     with pytest.raises(ValueError, match="not a multiple of v=8"):
         vector_mask_from_dense(torch.zeros(12, 3, dtype=torch.bool), 8)
-    with pytest.raises(ValueError, match="bool tensor"):
+    with pytest.raises(ValueError, match=r"dense: expected a 2-D bool tensor \(M, K\), got torch.float32 tensor of "
+                                         r"shape \(8, 3\)"):
         vector_mask_from_dense(torch.zeros(8, 3), 4)
+    with pytest.raises(ValueError, match="dense: expected a 2-D bool tensor .*, got list"):
+        vector_mask_from_dense([[True]], 4)
+
+
+@pytest.mark.parametrize("mask, got", [(torch.zeros(2, 3), r"torch.float32 tensor of shape \(2, 3\)"),
+                                       (torch.zeros(4, dtype=torch.bool), r"torch.bool tensor of shape \(4,\)"),
+                                       ([[True]], "list")])
+def test_vector_mask_names_what_it_was_given(mask, got):
+    with pytest.raises(ValueError, match=r"mask: expected a 2-D bool tensor of shape \(M/V, K\), got " + got):
+        VectorMask(mask, 4)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from conftest import load_kernels, poison_allocator, problem, random_ints, reordered, with_columns_shuffled, with_row_order
+from conftest import (load_kernels, poison_allocator, problem, random_ints, reordered, with_columns_shuffled,
+                      with_row_order)
 from magicube.ops import SRBCRS, VectorMask, qrange, to_container
 from magicube.ops.format import value_coordinates
 

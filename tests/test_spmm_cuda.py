@@ -335,7 +335,8 @@ def test_global_rows(kernels, a_bits, b_bits, a_signed):
         runs += [("length", p, hint) for hint in (p.longest_row, 0)]
         for name, other, hint in runs:
             got, want = _run(kernels, other, a_values, b, None, None, v, a_bits, a_signed, b_bits, torch.int64, hint)
-            assert torch.equal(got, want), f"BH {bh}, {name} order, longest_row={hint}: {(got != want).sum()} mismatches"
+            assert torch.equal(got, want), \
+                f"BH {bh}, {name} order, longest_row={hint}: {(got != want).sum()} mismatches"
 
 
 def _off16(t: torch.Tensor) -> torch.Tensor:
