@@ -346,7 +346,12 @@ std::pair<int64_t, int64_t> resident_groups(int64_t smem, int64_t slices, int64_
 // fastest way's time against 1.032x with the narrow tile's counts; on 1248 fresh cells (M = K
 // 640-3584, sparsity 0.65-0.97, BH 1, 2 and 8) 1.023x against 1.029x, and with the quarter tile's
 // rows no longer stacked (launch_fast) 1.015x; the 172 cells the two moved took 0.90x the time,
-// 0.74-1.33x by cell (kernel_checks.md, eighty-fourth round).
+// 0.74-1.33x by cell (kernel_checks.md, eighty-fourth round). There 12- and 16-bit A keep the
+// busy grids' quarter only where the gather kernel's grid leaves its last wave under half full (7
+// CTAs an SM on the quarter tile): in that data, such rows at a last wave of 0.11 took 0.70-1.04x
+// the time with the quarter (the sweep's M = K 2048 at V 2 and 4096 at V 4), where in one wave or
+// two nearly full ones (M = K 1536 and 3072 beside the grid, 3584) it took 1.03-1.27x
+// (kernel_checks.md, eighty-fifth round).
 // Wider rows of 8-bit B take the gather kernel's wide tile at L2 bandwidth, and the resident
 // kernel's shared-memory gathers lose to bank conflicts (N 256: 8.6 against 14.5 us at the SpMM
 // target). Returns whether it ran.
@@ -375,21 +380,33 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   // The gather kernel's bytes per SM and unit of V (each gathered row feeds V output rows), and
   // where the resident kernel starts to pay, by the share of the tile that a row fills (the narrow
   // tile, or the quarter tile for 4-bit B's rows on it).
-  const int64_t tile = sd::kNarrowTileBytes, quarter = sd::kQuarterTileBytes, rb = p.row_bytes;
+  const int64_t tile = sd::kNarrowTileBytes, quarter_tile = sd::kQuarterTileBytes, rb = p.row_bytes;
   const int64_t gathers = bh * nnz_pad * rb / (props->multiProcessorCount * p.v);
   const bool narrow = rb <= tile || (BB == 4 && rb <= 2 * tile);
   const bool long_rows = nnz_pad >= 4 * kSlots * vrows;
   const bool quarter_at_v4 = BB == 4 && p.v == 4 && bh >= 8 && long_rows &&
                              (AB == 16 ? rb <= tile : 4 * rb <= 3 * tile && bh <= 16);
   const bool quarter_split = split && bh >= 8 && (4 * rb <= 3 * tile || (BB == 4 && 8 * rb <= 7 * tile && long_rows));
-  const bool quarter_busy = BB == 4 && AB != 8 && 2 * rb <= tile && 4 * rb > tile && busy_warps >= 10 &&
-                            32 * rows * nnz_pad >= vrows * p.k;
-  const bool on_quarter = BB == 4 && rb <= quarter;
-  const int64_t batched = on_quarter ? std::max<int64_t>(quarter_busy ? 4 : 1, std::min<int64_t>(bh, 16))
+  const bool on_quarter_tile = BB == 4 && rb <= quarter_tile;
+  // Whether the gather kernel's grid (one CTA a vector row on the quarter tile) ends in a wave under
+  // half full.
+  const auto gather_tail = [&] {
+    if constexpr (BB == 4) {
+      constexpr auto gather = sd::spmm_kernel<AB, AS, BB, true, sd::kQuarterTileBytes, 0, false>;
+      const int64_t ctas = vrows * bh, wave = magicube::wave_ctas<gather>(kThreads, 0);
+      return ctas > wave && 2 * ((ctas - 1) % wave + 1) < wave;
+    }
+    return false;
+  };
+  const bool quarter_busy = on_quarter_tile && 4 * rb > tile && busy_warps >= 10 &&
+                            32 * rows * nnz_pad >= vrows * p.k && (AB == 4 || (AB == 16 && gather_tail()));
+  const int64_t batched = on_quarter_tile ? std::max<int64_t>(quarter_busy ? 4 : 1, std::min<int64_t>(bh, 16))
                           : 2 * rb <= tile || (BB == 4 && p.v == 8 && rb <= tile) || quarter_at_v4 || quarter_split
                               ? std::min<int64_t>(bh, 4)
                               : 1;
-  const int64_t pays_from = (on_quarter       ? (4 * rb <= quarter ? 10 << 10 : 2 * rb <= quarter ? 20 << 10 : 80 << 10)
+  const int64_t pays_from = (on_quarter_tile ? (4 * rb <= quarter_tile   ? 10 << 10
+                                                 : 2 * rb <= quarter_tile ? 20 << 10
+                                                                          : 80 << 10)
                              : 8 * rb <= tile ? 6 << 10
                              : 4 * rb <= tile ? 12 << 10
                              : 2 * rb <= tile ? 24 << 10

@@ -184,12 +184,15 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
 # 112 bytes where A's rows average four blocks or more: L8-R4 at N 224, sparsity 0.8, M = K = 704
 # (five blocks a row), BH 12: 70.0 KB against 24 (six rows a warp in 16-warp CTAs, four in 4-warp).
 # 4-bit B's rows of at most 64 bytes count against the quarter tile: rows of 33-64 bytes from 80 KB,
-# a quarter of it at any BH where the resident grid keeps ten warps an SM or more in rows, but not
-# with 8-bit A: L4-R4 at V 2, N 128, sparsity 0.85, M = K = 1536 (768 vector rows, a row a warp, 11
-# busy warps an SM on 132 SMs), BH 1: 46.5 KB against 20 (L8-R4 there against 80); L16-R4 at
-# sparsity 0.95: 17.5 KB, under 20 (before the quarter tile's counts, against 6: the resident
-# kernel, which took 1.4x the gather kernel's time in a cell beside it); L4-R4 at sparsity 0.9, M =
-# K = 1024 (7 busy warps an SM): 15.5 KB against 80.
+# a quarter of it at any BH where the resident grid keeps ten warps an SM or more in rows, with 4-bit
+# A, and with 12- and 16-bit A where the gather kernel's grid ends in a wave under half full (7 CTAs
+# an SM), not with 8-bit A. L4-R4 at V 2, N 128, sparsity 0.85, M = K = 1536 (768 vector rows, a row
+# a warp, 11 busy warps an SM on 132 SMs), BH 1: 46.5 KB against 20 (L8-R4 there against 80); at
+# sparsity 0.96: 11.6 KB, under 20 (14.2 on 108 SMs). L16-R4 at sparsity 0.85, M = K = 1408: 37.3 KB
+# against 80, its gather grid of 704 CTAs one wave (before, against 20: the resident kernel, which
+# took 1.13x the gather kernel's time in a cell beside it); at sparsity 0.9, M = K = 2048: 54.3 KB
+# against 20, 1024 CTAs leaving 100 in a second wave of 924 (on 108-143 SMs 50-66 KB, at most 268 of
+# 756-1001). L4-R4 at sparsity 0.9, M = K = 1024 (7 busy warps an SM): 15.5 KB against 80.
 BATCHED_CASES = [
     pytest.param((8, 8, 4, 0.9, 2048, 128), 16, "resident", id="dense-factor-resident", marks=wgmma_estimate),
     pytest.param((8, 8, 2, 0.5, 2048, 256), 16, "dense", id="dense-factor-dense", marks=wgmma_estimate),
@@ -208,7 +211,9 @@ BATCHED_CASES = [
     pytest.param((8, 8, 8, 0.75, 768, 128), 24, "gather", id="8-bit-b-128-byte-rows-bh24"),
     on_resident_grid((4, 4, 2, 0.85, 1536, 128), 1, "resident", "4-bit-b-64-byte-rows-busy-warps-bh1"),
     on_resident_grid((8, 4, 2, 0.85, 1536, 128), 1, "gather", "8-bit-a-64-byte-rows-busy-warps-bh1"),
-    on_resident_grid((16, 4, 2, 0.95, 1536, 128), 1, "gather", "4-bit-b-64-byte-rows-busy-warps-few-gathers-bh1"),
+    on_resident_grid((4, 4, 2, 0.96, 1536, 128), 1, "gather", "4-bit-b-64-byte-rows-busy-warps-few-gathers-bh1"),
+    on_resident_grid((16, 4, 2, 0.85, 1408, 128), 1, "gather", "16-bit-a-64-byte-rows-busy-warps-one-wave-bh1"),
+    on_resident_grid((16, 4, 2, 0.9, 2048, 128), 1, "resident", "16-bit-a-64-byte-rows-busy-warps-tail-bh1"),
     on_resident_grid((4, 4, 2, 0.9, 1024, 128), 1, "gather", "4-bit-b-64-byte-rows-few-warps-bh1"),
 ]
 
