@@ -247,12 +247,17 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
 // M = K 1024-4096, V 2 / 4 / 8, sparsity 0.7 / 0.9 / 0.98, N 64 and 128, it took 0.74-0.81x the
 // narrow tile's time on the geometric mean by pair (0.60-0.90x by cell; L8-R4 at M = K 4096, N 128,
 // V 8, sparsity 0.9: 7.87 -> 5.89 us), and the automatic choice 0.85-0.88x (up to 1.004x where
-// it runs another way; kernel_checks.md, eighty-third round). The generic copies (rows not on 16
+// it runs another way; kernel_checks.md, eighty-third round). So do 8-bit B's (N <= 64), where a
+// warp's chunk is one m-tile: gather kernel forced (M = K 512-4096, V 2 / 4 / 8, sparsity
+// 0.5-0.98, N 16-64, BH 1-16, 992 cells), 0.85x and 0.83x the narrow tile's time with 8- and
+// 16-bit A on rows of 64 bytes (0.67-1.00x by cell; L8-R8 at M = K 4096, N 64, V 8, sparsity 0.9:
+// 6.36 -> 5.17 us), 0.89x and 0.86x on rows of 32, 0.94-0.97x on rows of 16 and 48 (up to 1.05x;
+// eighty-sixth round). The generic copies (rows not on 16
 // bytes) keep the wide tile. Returns what `f.template operator()<TB>()` returns with that tile TB.
 template <int AB, bool AS, int BB, class F>
 decltype(auto) on_fast_tile(const Params& p, F&& f) {
   namespace sd = magicube::spmm_detail;
-  if constexpr (BB == 4) {
+  if constexpr (BB == 8 || BB == 4) {
     if (p.row_bytes <= sd::kQuarterTileBytes) return f.template operator()<sd::kQuarterTileBytes>();
   }
   if (p.row_bytes <= sd::kNarrowTileBytes) return f.template operator()<sd::kNarrowTileBytes>();
@@ -352,6 +357,15 @@ std::pair<int64_t, int64_t> resident_groups(int64_t smem, int64_t slices, int64_
 // the time with the quarter (the sweep's M = K 2048 at V 2 and 4096 at V 4), where in one wave or
 // two nearly full ones (M = K 1536 and 3072 beside the grid, 3584) it took 1.03-1.27x
 // (kernel_checks.md, eighty-fifth round).
+// 8-bit B's rows of at most 64 bytes run on the quarter tile too, and those of 64 bytes, where its
+// gather kernel took 0.85x the narrow tile's time (0.83x with 16-bit A), count from 60 KB; rows of
+// 16-48 bytes gained less (0.86-0.97x) and keep their counts. Fitted on an H200 with every way forced
+// and the choice of each count read back (L8-R8 and L16-R8, N 16-64, M = K 512-4096, V 2 / 4 / 8,
+// sparsity 0.5-0.98, BH 1, 4 and 16: 732 cells), the choice took 1.012x the fastest way's time
+// against 1.062x before the quarter tile (1.018x with the quarter tile and the narrow tile's count);
+// on 260 fresh cells (M = K 640-3584, N 32 and 64, sparsity 0.65-0.97, BH 1, 2 and 8) 1.010x against
+// 1.085x: 0.954x and 0.930x the time of the choice before, 0.70-1.10x by cell (kernel_checks.md,
+// eighty-sixth round).
 // Wider rows of 8-bit B take the gather kernel's wide tile at L2 bandwidth, and the resident
 // kernel's shared-memory gathers lose to bank conflicts (N 256: 8.6 against 14.5 us at the SpMM
 // target). Returns whether it ran.
@@ -378,8 +392,9 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const int64_t rows = split ? small_rows : wide_rows;
   const int64_t busy_warps = slices * bh * ((vrows + rows - 1) / rows) / props->multiProcessorCount;
   // The gather kernel's bytes per SM and unit of V (each gathered row feeds V output rows), and
-  // where the resident kernel starts to pay, by the share of the tile that a row fills (the narrow
-  // tile, or the quarter tile for 4-bit B's rows on it).
+  // where the resident kernel starts to pay, by the share of the tile that a row fills: the narrow
+  // tile, or the quarter tile for 4-bit B's rows on it (quarter_counts; 8-bit B's rows there count
+  // against the narrow tile, but those of 64 bytes).
   const int64_t tile = sd::kNarrowTileBytes, quarter_tile = sd::kQuarterTileBytes, rb = p.row_bytes;
   const int64_t gathers = bh * nnz_pad * rb / (props->multiProcessorCount * p.v);
   const bool narrow = rb <= tile || (BB == 4 && rb <= 2 * tile);
@@ -387,7 +402,7 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const bool quarter_at_v4 = BB == 4 && p.v == 4 && bh >= 8 && long_rows &&
                              (AB == 16 ? rb <= tile : 4 * rb <= 3 * tile && bh <= 16);
   const bool quarter_split = split && bh >= 8 && (4 * rb <= 3 * tile || (BB == 4 && 8 * rb <= 7 * tile && long_rows));
-  const bool on_quarter_tile = BB == 4 && rb <= quarter_tile;
+  const bool quarter_counts = BB == 4 && rb <= quarter_tile;
   // Whether the gather kernel's grid (one CTA a vector row on the quarter tile) ends in a wave under
   // half full.
   const auto gather_tail = [&] {
@@ -398,17 +413,18 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
     }
     return false;
   };
-  const bool quarter_busy = on_quarter_tile && 4 * rb > tile && busy_warps >= 10 &&
+  const bool quarter_busy = quarter_counts && 4 * rb > tile && busy_warps >= 10 &&
                             32 * rows * nnz_pad >= vrows * p.k && (AB == 4 || (AB == 16 && gather_tail()));
-  const int64_t batched = on_quarter_tile ? std::max<int64_t>(quarter_busy ? 4 : 1, std::min<int64_t>(bh, 16))
+  const int64_t batched = quarter_counts ? std::max<int64_t>(quarter_busy ? 4 : 1, std::min<int64_t>(bh, 16))
                           : 2 * rb <= tile || (BB == 4 && p.v == 8 && rb <= tile) || quarter_at_v4 || quarter_split
                               ? std::min<int64_t>(bh, 4)
                               : 1;
-  const int64_t pays_from = (on_quarter_tile ? (4 * rb <= quarter_tile   ? 10 << 10
-                                                 : 2 * rb <= quarter_tile ? 20 << 10
-                                                                          : 80 << 10)
+  const int64_t pays_from = (quarter_counts ? (4 * rb <= quarter_tile   ? 10 << 10
+                                                : 2 * rb <= quarter_tile ? 20 << 10
+                                                                         : 80 << 10)
                              : 8 * rb <= tile ? 6 << 10
                              : 4 * rb <= tile ? 12 << 10
+                             : BB == 8 && rb == quarter_tile ? 60 << 10
                              : 2 * rb <= tile ? 24 << 10
                              : rb <= tile     ? 96 << 10
                                               : 48 << 10) /

@@ -65,8 +65,8 @@ constexpr int kSlots = 32;        // SR-BCRS stride of the ops
 // in registers. Wide tiles move more bytes per pipeline step (the barrier, index fetch and address
 // math are per step): 256 beat 128 by 1.1-1.3x on the largest problems measured. Rows of at most
 // 128 bytes take the narrow tile whatever B's width (csrc/spmm.cu: launch), since in a wide one
-// half of every step's copies and products would be of zeros. 4-bit B's rows of at most 64 bytes
-// (N <= 128) take a quarter tile for the same reason.
+// half of every step's copies and products would be of zeros. Rows of at most 64 bytes of 8- and
+// 4-bit B (N <= 64 and 128) take a quarter tile for the same reason.
 constexpr int kWideTileBytes = 256;
 constexpr int kNarrowTileBytes = kWideTileBytes / 2;
 constexpr int kQuarterTileBytes = kWideTileBytes / 4;
@@ -124,8 +124,8 @@ struct Kind {
   static constexpr int kSparseRowBytes = kFp16 ? 64 : kSlots * AB / 8;
   static constexpr int kTileBytes = TB;
   static constexpr int kChunks = kTileBytes / 16;
-  static_assert((kChunks >= 8 || (kChunks == 4 && BB == 4)) && kChunks <= 16 && kChunks % kWarps == 0,
-                "tiles of 8 to 16 chunks, or 4 for 4-bit B (a warp's chunk: two m-tiles)");
+  static_assert((kChunks >= 8 || (kChunks == 4 && (BB == 8 || BB == 4))) && kChunks <= 16 && kChunks % kWarps == 0,
+                "tiles of 8 to 16 chunks, or 4 for 8- and 4-bit B (a warp's chunk: one m-tile or two)");
   // Each thread copies one 16-byte chunk of kCopyRows of the 32 gathered rows per block.
   static constexpr int kCopyRows = kSlots * kChunks / kThreads;
   // Dense columns per 16-byte chunk and per CTA.

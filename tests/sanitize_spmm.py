@@ -68,10 +68,10 @@ def main() -> int:
             mask[2] = True
             vm = VectorMask(mask, v)
             p = SRBCRS.from_mask(vm, stride=32)
-            # N = 36: misaligned rows (generic copies); N = 48: the narrow tile (8- and 16-bit B);
-            # N = 128: 4-bit B's quarter tile, whole; N = 160: 16-byte copies with a partial tile
-            # (for every B).
-            for n in (36, 48, 128, 160):
+            # N = 36: misaligned rows (generic copies); N = 48: the quarter tile (8- and 4-bit B)
+            # and 16-bit B's narrow tile; N = 96: 8-bit B's narrow tile; N = 128: 4-bit B's quarter
+            # tile, whole; N = 160: 16-byte copies with a partial tile (for every B).
+            for n in (36, 48, 96, 128, 160):
                 for a_bits, b_bits, a_signed in KINDS + [(0, 0, True)]:
                     if not check(g, p, vm.to_dense(), 2, 130, n, v, a_bits, b_bits, a_signed):
                         bad += 1
@@ -134,15 +134,17 @@ def main() -> int:
             if not check(g, p, vm.to_dense(), bh, k, n, v, a_bits, b_bits, a_signed):
                 bad += 1
                 print(f"MISMATCH dense, batched {bh}: a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
-    # A row past the int32 accumulators' fold interval (513 blocks) in the gather kernel: on the
-    # narrow tile (N = 48), where 8-bit B keeps the folds in local memory, and with 16-bit A's
-    # planes stacked into one MMA (N = 160: the wide tile for 8- and 16-bit B), unsigned 16-bit and
-    # 12-bit A's at V 4 (N = 128 too: 4-bit B's quarter tile).
+    # A row past the int32 accumulators' fold interval (513 blocks) in the gather kernel: on 8-bit
+    # B's narrow tile (N = 96), where it keeps the folds in local memory, and its quarter tile (N =
+    # 48), and with 16-bit A's planes stacked into one MMA (at V 2 on the quarter tile, and N = 160:
+    # the wide tile for 8- and 16-bit B), unsigned 16-bit and 12-bit A's at V 4 (N = 128 too: 4-bit
+    # B's quarter tile).
     os.environ["MAGICUBE_SPMM_KERNEL"] = "stacked"
     k = 32 * 513
     mask = torch.zeros(2, k, dtype=torch.bool)
     mask[1] = True
-    for a_bits, b_bits, a_signed, n, v in ((8, 8, True, 48, 2), (16, 8, False, 48, 2), (16, 8, True, 160, 2),
+    for a_bits, b_bits, a_signed, n, v in ((8, 8, True, 96, 2), (16, 8, False, 96, 2), (8, 8, True, 48, 2),
+                                           (16, 8, False, 48, 2), (16, 8, True, 160, 2),
                                            (16, 16, True, 160, 2), (16, 4, True, 160, 2), (12, 4, True, 160, 4),
                                            (12, 4, True, 128, 4), (16, 8, False, 160, 4)):
         vm = VectorMask(mask, v)

@@ -166,10 +166,14 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
 # which took 1.52x the resident kernel's time in this cell); at V 2, sparsity 0.5, N 256 the dense
 # path still runs, by 117 against 664. Rows of up to half a narrow tile, and 4-bit B's rows of a
 # whole one at V 8, take the resident kernel from a quarter of BH 1's count of gathers from BH 4
-# (launch_resident). L8-R8 at V 8, sparsity 0.7, M = K = 1024 (132 SMs): rows of 64 bytes at BH 1
-# gather 2.5 KB an SM against 24 KB (the gather kernel); at BH 8, 19.9 KB against 6 (before, 24: the
-# gather kernel, 1.53x the resident kernel's time in the forced run); rows of 32 bytes at BH 8, 9.9
-# KB against 3 (before, 12: 1.55x). L8-R4 of N 256 (rows of 128 bytes) at BH 8: 38.8 KB against 24
+# (launch_resident). 8-bit B's rows of 64 bytes count from 60 KB (its gather kernel's quarter
+# tile). L8-R8 at V 8, sparsity 0.7, M = K = 1024 (132 SMs): rows of 64 bytes at BH 1 gather 2.5 KB
+# an SM against 60 KB (the gather kernel); at BH 8, 19.9 KB against 15 (before the batched counts,
+# 24: the gather kernel, 1.53x the resident kernel's time in the forced run); rows of 32 bytes at BH
+# 8, 9.9 KB against 3 (before, 12: 1.55x). At V 2, M = K = 2048, BH 1, rows of 64 bytes: sparsity
+# 0.95, 31.8 KB against 60 (29.3-38.8 on 108-143 SMs; before the quarter tile, against 24: the
+# resident kernel, 1.12x the gather kernel's time on that tile in a cell of this shape); sparsity
+# 0.8, 103 KB (95-126), the resident kernel. L8-R4 of N 256 (rows of 128 bytes) at BH 8: 38.8 KB against 24
 # (before, 96: 1.08x). 12- and 16-bit A at V 4 on such rows take a quarter from BH 8 where A's rows
 # average four blocks or more: L16-R4 at N 256, sparsity 0.85, M = K = 1024 (five blocks a row), BH
 # 8: 77.6 KB against 24 (before, 96); at sparsity 0.95 (two blocks a row), BH 16: 62.1 KB, still
@@ -199,6 +203,8 @@ BATCHED_CASES = [
     pytest.param((8, 8, 8, 0.7, 1024, 64), 1, "gather", id="64-byte-rows-bh1"),
     pytest.param((8, 8, 8, 0.7, 1024, 64), 8, "resident", id="64-byte-rows-bh8"),
     pytest.param((8, 8, 8, 0.7, 1024, 32), 8, "resident", id="32-byte-rows-bh8"),
+    on_resident_grid((8, 8, 2, 0.95, 2048, 64), 1, "gather", "64-byte-rows-quarter-tile-bh1"),
+    on_resident_grid((8, 8, 2, 0.8, 2048, 64), 1, "resident", "64-byte-rows-many-gathers-bh1"),
     pytest.param((8, 4, 8, 0.7, 1024, 256), 8, "resident", id="4-bit-b-128-byte-rows-bh8"),
     pytest.param((16, 4, 4, 0.85, 1024, 256), 8, "resident", id="16-bit-a-v4-long-rows-bh8"),
     pytest.param((16, 4, 4, 0.95, 1024, 256), 16, "gather", id="16-bit-a-v4-short-rows-bh16"),
@@ -237,15 +243,16 @@ def test_forced_way_runs(kernels, monkeypatch, way):
 # (a_bits, b_bits, V, sparsity, M = K, N, False where A is unsigned, MAGICUBE_SPMM_KERNEL, the V at
 # which the gather kernel stacks A's planes, 0 where it does not): by default 16-bit A at V 2 where
 # rows average two blocks or more (here 4) and the grid holds four CTAs an SM or more (1024 here, on
-# GPUs of up to 256 SMs), not on 8-bit B's narrow tile (rows of at most 128 bytes) nor on 4-bit B's
-# quarter tile (at most 64 bytes; here 15.5 KB of gathers an SM, under the resident kernel's 20), nor
-# on rows of one block (sparsity 0.99; M = K = 2044, not a multiple of 8, so that no rows merge) but
-# with 16-bit B, whose two-MMA form takes the 1022 CTAs in more than one wave, nor on a grid of 256
-# CTAs; and 12-bit A and unsigned 16-bit A at V 4 where the grid holds ten or more (2048 here, on
-# GPUs of up to 204 SMs) or where the stacked form's occupancy runs it in fewer waves (12-bit A with
-# 4-bit B: six CTAs an SM against four; 640 CTAs, one wave against two on GPUs of 107-159 SMs; not
-# 896, two waves either way on 112-149 SMs, nor 256), never signed 16-bit A at V 4. `stacked` stacks
-# wherever it can, `gather` never does.
+# GPUs of up to 256 SMs), not on 8-bit B's narrow tile (rows of 65-128 bytes) nor on the quarter
+# tile (rows of at most 64 bytes of 8- and 4-bit B; here 15.5 KB of gathers an SM with 4-bit B,
+# under the resident kernel's 20, and 31.8 with 8-bit B, under 60), nor on rows of one block
+# (sparsity 0.99; M = K = 2044, not a multiple of 8, so that no rows merge) but with 16-bit B, whose
+# two-MMA form takes the 1022 CTAs in more than one wave, nor on a grid of 256 CTAs; and 12-bit A
+# and unsigned 16-bit A at V 4 where the grid holds ten or more (2048 here, on GPUs of up to 204
+# SMs) or where the stacked form's occupancy runs it in fewer waves (12-bit A with 4-bit B: six CTAs
+# an SM against four; 640 CTAs, one wave against two on GPUs of 107-159 SMs; not 896, two waves
+# either way on 112-149 SMs, nor 256), never signed 16-bit A at V 4. `stacked` stacks wherever it
+# can, `gather` never does.
 STACK_CASES = {
     "L16-R8-wide": (16, 8, 2, 0.95, 2048, 256, "auto", 2),
     "L16-R16": (16, 16, 2, 0.95, 2048, 128, "auto", 2),
@@ -272,6 +279,8 @@ STACK_CASES = {
     "L16-R8-wide-gather": (16, 8, 2, 0.95, 2048, 256, "gather", 0),
     "L16-R4-quarter-tile": (16, 4, 2, 0.95, 2048, 64, "auto", 0),
     "L16-R4-quarter-tile-stacked": (16, 4, 2, 0.95, 2048, 64, "stacked", 2),
+    "L16-R8-quarter-tile": (16, 8, 2, 0.95, 2048, 64, "auto", 0),
+    "L16-R8-quarter-tile-stacked": (16, 8, 2, 0.95, 2048, 64, "stacked", 2),
 }
 
 
@@ -285,14 +294,16 @@ def test_stacked_planes(kernels, monkeypatch, case):
     assert (instance["STACK"], instance["MERGE"]) == (str(stack), "false")
 
 
-# (a_bits, b_bits, V, sparsity, M = K, N, the gather kernel's tile TB in bytes): 4-bit B's rows of at
-# most 64 bytes take the quarter tile (on_fast_tile), 8-bit B's the narrow one; rows of 128 bytes the
-# narrow one; 8-bit B's rows of 256 bytes the wide one (4-bit B's tile is 128 bytes at most).
+# (a_bits, b_bits, V, sparsity, M = K, N, the gather kernel's tile TB in bytes): rows of at most 64
+# bytes of 8- and 4-bit B take the quarter tile (on_fast_tile), rows of 65-128 bytes the narrow one;
+# 8-bit B's rows of 256 bytes the wide one (4-bit B's tile is 128 bytes at most).
 TILE_CASES = {
     "L8-R4-64-byte-rows": (8, 4, 8, 0.9, 1024, 128, 64),
     "L16-R4-32-byte-rows": (16, 4, 4, 0.9, 1024, 64, 64),
     "L4-R4-128-byte-rows": (4, 4, 8, 0.9, 1024, 256, 128),
-    "L8-R8-64-byte-rows": (8, 8, 8, 0.9, 1024, 64, 128),
+    "L8-R8-64-byte-rows": (8, 8, 8, 0.9, 1024, 64, 64),
+    "L16-R8-48-byte-rows": (16, 8, 4, 0.9, 1024, 48, 64),
+    "L8-R8-128-byte-rows": (8, 8, 8, 0.9, 1024, 128, 128),
     "L8-R8-256-byte-rows": (8, 8, 8, 0.9, 1024, 256, 256),
 }
 

@@ -22,7 +22,8 @@ KIND_IDS = [f"L{a}{'' if s else 'u'}-R{b}" for a, b, s in KINDS]
 
 # (BH, M/V, K, N): K and N multiples of no tile; N = 100 has 16-byte-misaligned dense rows for
 # every width (the generic copy path); N = 272 is aligned with a partial last tile; N = 48 and
-# 128 take the gather kernel's narrow tile (rows of at most 128 bytes), partly and wholly filled.
+# 128 take the gather kernel's small tiles, partly and wholly filled: the quarter tile (rows of at
+# most 64 bytes of 8- and 4-bit B), the narrow one (at most 128 bytes).
 SHAPES = [(1, 7, 333, 100), (3, 5, 97, 272), (1, 1, 40, 2), (3, 9, 700, 36), (2, 6, 300, 48), (1, 4, 130, 128)]
 
 
@@ -244,7 +245,7 @@ def test_output_row_alignment(kernels, a_bits, b_bits, a_signed, n):
         _assert_exact(kernels, p, emask, 3, 150, n, v, a_bits, a_signed, b_bits, g, f"v={v}: ")
 
 
-@pytest.mark.parametrize("n", [24, 32, 160])
+@pytest.mark.parametrize("n", [24, 32, 96, 160])
 @pytest.mark.parametrize("blocks", [511, 512, 513])
 @pytest.mark.parametrize("a_bits, b_bits, a_signed, v",
                          [(8, 8, True, 2), (4, 4, True, 2), (8, 4, True, 2), (16, 8, True, 2), (16, 16, True, 2),
@@ -254,10 +255,10 @@ def test_output_row_alignment(kernels, a_bits, b_bits, a_signed, n):
 def test_fold_boundary(kernels, a_bits, b_bits, a_signed, v, blocks, n):
     """Rows of 511, 512 and 513 blocks: single-plane results are read from the int32 accumulator
     when no fold happened, from the folded int64 otherwise. N 24 takes the generic copies (rows
-    not on 16 bytes), N 32 and 160 the fast ones: the gather kernel's narrow tile, which for 8-bit
-    B keeps the folds in local memory, and the wide one for 8- and 16-bit B; the stacked way puts
-    16-bit A's planes into one MMA on both tiles but 8-bit B's narrow one, and at V 4 unsigned
-    16-bit A's planes and 12-bit A's digits."""
+    not on 16 bytes), N 32, 96 and 160 the fast ones: the gather kernel's quarter tile for 8- and
+    4-bit B, its narrow tile (which for 8-bit B keeps the folds in local memory) and the wide one
+    for 8- and 16-bit B; the stacked way puts 16-bit A's planes into one MMA on every tile but 8-bit
+    B's narrow one, and at V 4 unsigned 16-bit A's planes and 12-bit A's digits."""
     k = 32 * blocks
     mask = torch.zeros(3, k, dtype=torch.bool)
     mask[1] = True
