@@ -364,7 +364,7 @@ std::pair<int64_t, int64_t> resident_groups(int64_t smem, int64_t slices, int64_
 // sparsity 0.5-0.98, BH 1, 4 and 16: 732 cells), the choice took 1.012x the fastest way's time
 // against 1.062x before the quarter tile (1.018x with the quarter tile and the narrow tile's count);
 // on 260 fresh cells (M = K 640-3584, N 32 and 64, sparsity 0.65-0.97, BH 1, 2 and 8) 1.010x against
-// 1.085x: 0.954x and 0.930x the time of the choice before, 0.70-1.10x by cell (kernel_checks.md,
+// 1.085x: 0.953x and 0.930x the time of the choice before, 0.70-1.10x by cell (kernel_checks.md,
 // eighty-sixth round).
 // Wider rows of 8-bit B take the gather kernel's wide tile at L2 bandwidth, and the resident
 // kernel's shared-memory gathers lose to bank conflicts (N 256: 8.6 against 14.5 us at the SpMM
