@@ -32,7 +32,7 @@ from magicube.eval.timing import git_commit
 from magicube.model.lra import QUANTIZED, LRAClassifier
 from magicube.train import data as data_mod
 from magicube.train.config import load_config
-from magicube.train.trainer import accuracy, resolve_checkpoint
+from magicube.train.trainer import accuracy, resolve_checkpoint, unreadable
 
 # name -> (attention, sparse_impl); "-fp16" rows run the whole model under fp16 autocast
 BACKENDS = {"dense": ("dense", "auto"), "dense-fp16": ("dense", "auto"), "sparse-masked": ("sparse", "masked"),
@@ -78,7 +78,7 @@ def evaluate(path: str | Path, backends=None, split: str | None = None, batch_si
     try:
         model = LRAClassifier.from_pretrained(ckpt).to(accelerator.device)
     except SafetensorError as err:
-        raise ValueError(f"{ckpt / 'model.safetensors'}: not a readable safetensors file ({err})") from None
+        raise unreadable(ckpt / "model.safetensors", err) from None
     finally:
         if bars:
             hf_logging.enable_progress_bar()

@@ -134,13 +134,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return ckpt
 
 
+def unreadable(file: Path, err: SafetensorError) -> ValueError:
+    """The error for a checkpoint's safetensors file that does not read. Checkpoints are written
+    atomically, so such a file was damaged afterwards (truncated in a copy, overwritten)."""
+    return ValueError(f"{file}: not a readable safetensors file ({err})")
+
+
 def read_tensors(file: Path) -> dict[str, torch.Tensor]:
-    """A checkpoint's safetensors file, on the CPU. Checkpoints are written atomically, but a file
-    damaged afterwards (truncated in a copy, overwritten) is an error that names it."""
+    """A checkpoint's safetensors file, on the CPU; a damaged one is an error that names it."""
     try:
         return load_file(file, device="cpu")
     except SafetensorError as err:
-        raise ValueError(f"{file}: not a readable safetensors file ({err})") from None
+        raise unreadable(file, err) from None
 
 
 def load_weights(model: LRAClassifier, source: str | Path, skip: tuple[str, ...] = ()) -> None:
