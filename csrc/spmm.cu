@@ -241,19 +241,19 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
 // Rows of at most 128 bytes (8-bit B of N <= 128, 16-bit and fp16 B of N <= 64) take the narrow
 // tile. With the wide one, half of every step's copies and products were of zeros: on an H200 the
 // narrow tile took 18-28 % less time (geometric means over M = K 1024-4096, V 2 / 4 / 8, sparsity
-// 0.7 / 0.9 / 0.98: L8-R8 and L16-R8 at N 64 and 128, L16-R16 and fp16 at N 32 and 64), and the fp16
-// pipeline's P x V (batch x heads 32, L 4096, head dim 64) 188 -> 112 us. 4-bit B's rows of at most
-// 64 bytes (N <= 128) take the quarter tile for the same reason: on an H200, gather kernel forced,
-// M = K 1024-4096, V 2 / 4 / 8, sparsity 0.7 / 0.9 / 0.98, N 64 and 128, it took 0.74-0.81x the
-// narrow tile's time on the geometric mean by pair (0.60-0.90x by cell; L8-R4 at M = K 4096, N 128,
-// V 8, sparsity 0.9: 7.87 -> 5.89 us), and the automatic choice 0.85-0.88x (up to 1.004x where
+// 0.7 / 0.9 / 0.98: L8-R8 and L16-R8 at N 64 and 128, L16-R16 and fp16 at N 32 and 64), and the
+// fp16 pipeline's P x V (batch x heads 32, L 4096, head dim 64) 188 -> 112 us. 4-bit B's rows of at
+// most 64 bytes (N <= 128) take the quarter tile for the same reason: on an H200, gather kernel
+// forced, M = K 1024-4096, V 2 / 4 / 8, sparsity 0.7 / 0.9 / 0.98, N 64 and 128, it took 0.74-0.81x
+// the narrow tile's time on the geometric mean by pair (0.60-0.90x by cell; L8-R4 at M = K 4096, N
+// 128, V 8, sparsity 0.9: 7.87 -> 5.89 us), and the automatic choice 0.85-0.88x (up to 1.004x where
 // it runs another way; kernel_checks.md, eighty-third round). So do 8-bit B's (N <= 64), where a
-// warp's chunk is one m-tile: gather kernel forced (M = K 512-4096, V 2 / 4 / 8, sparsity
-// 0.5-0.98, N 16-64, BH 1-16, 992 cells), 0.85x and 0.83x the narrow tile's time with 8- and
-// 16-bit A on rows of 64 bytes (0.67-1.00x by cell; L8-R8 at M = K 4096, N 64, V 8, sparsity 0.9:
-// 6.36 -> 5.17 us), 0.89x and 0.86x on rows of 32, 0.94-0.97x on rows of 16 and 48 (up to 1.05x;
-// eighty-sixth round). The generic copies (rows not on 16
-// bytes) keep the wide tile. Returns what `f.template operator()<TB>()` returns with that tile TB.
+// warp's chunk is one m-tile: gather kernel forced (M = K 512-4096, V 2 / 4 / 8, sparsity 0.5-0.98,
+// N 16-64, BH 1-16, 992 cells), 0.85x and 0.83x the narrow tile's time with 8- and 16-bit A on rows
+// of 64 bytes (0.67-1.00x by cell; L8-R8 at M = K 4096, N 64, V 8, sparsity 0.9: 6.36 -> 5.17 us),
+// 0.89x and 0.86x on rows of 32, 0.94-0.97x on rows of 16 and 48 (up to 1.05x; eighty-sixth round).
+// The generic copies (rows not on 16 bytes) keep the wide tile. Returns what `f.template
+// operator()<TB>()` returns with that tile TB.
 template <int AB, bool AS, int BB, class F>
 decltype(auto) on_fast_tile(const Params& p, F&& f) {
   namespace sd = magicube::spmm_detail;
