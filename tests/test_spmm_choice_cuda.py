@@ -166,14 +166,14 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
 # which took 1.52x the resident kernel's time in this cell); at V 2, sparsity 0.5, N 256 the dense
 # path still runs, by 117 against 664. Rows of up to half a narrow tile, and 4-bit B's rows of a
 # whole one at V 8, take the resident kernel from a quarter of BH 1's count of gathers from BH 4
-# (launch_resident). 8-bit B's rows of 64 bytes count from 60 KB (its gather kernel's quarter
-# tile). L8-R8 at V 8, sparsity 0.7, M = K = 1024 (132 SMs): rows of 64 bytes at BH 1 gather 2.5 KB
-# an SM against 60 KB (the gather kernel); at BH 8, 19.9 KB against 15 (before the batched counts,
-# 24: the gather kernel, 1.53x the resident kernel's time in the forced run); rows of 32 bytes at BH
-# 8, 9.9 KB against 3 (before, 12: 1.55x). At V 2, M = K = 2048, BH 1, rows of 64 bytes: sparsity
-# 0.95, 31.8 KB against 60 (29.3-38.8 on 108-143 SMs; before the quarter tile, against 24: the
-# resident kernel, 1.12x the gather kernel's time on that tile in a cell of this shape); sparsity
-# 0.8, 103 KB (95-126), the resident kernel. L8-R4 of N 256 (rows of 128 bytes) at BH 8: 38.8 KB against 24
+# (launch_resident). 8-bit B's rows of 64 bytes count from 60 KB (its gather kernel's quarter tile).
+# L8-R8 at V 8, sparsity 0.7, M = K = 1024 (132 SMs): rows of 64 bytes at BH 1 gather 2.5 KB an SM
+# against 60 KB (the gather kernel); at BH 8, 19.9 KB against 15 (before the batched counts, 24: the
+# gather kernel, 1.53x the resident kernel's time in the forced run); rows of 32 bytes at BH 8, 9.9
+# KB against 3 (before, 12: 1.55x). At V 2, M = K = 2048, BH 1, rows of 64 bytes: sparsity 0.95,
+# 31.8 KB against 60 (29.3-38.8 on 108-143 SMs; before the quarter tile, against 24: the resident
+# kernel, 1.12x the gather kernel's time on that tile in a cell of this shape); sparsity 0.8, 103 KB
+# (95-126), the resident kernel. L8-R4 of N 256 (rows of 128 bytes) at BH 8: 38.8 KB against 24
 # (before, 96: 1.08x). 12- and 16-bit A at V 4 on such rows take a quarter from BH 8 where A's rows
 # average four blocks or more: L16-R4 at N 256, sparsity 0.85, M = K = 1024 (five blocks a row), BH
 # 8: 77.6 KB against 24 (before, 96); at sparsity 0.95 (two blocks a row), BH 16: 62.1 KB, still
@@ -188,15 +188,16 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
 # 112 bytes where A's rows average four blocks or more: L8-R4 at N 224, sparsity 0.8, M = K = 704
 # (five blocks a row), BH 12: 70.0 KB against 24 (six rows a warp in 16-warp CTAs, four in 4-warp).
 # 4-bit B's rows of at most 64 bytes count against the quarter tile: rows of 33-64 bytes from 80 KB,
-# a quarter of it at any BH where the resident grid keeps ten warps an SM or more in rows, with 4-bit
-# A, and with 12- and 16-bit A where the gather kernel's grid ends in a wave under half full (7 CTAs
-# an SM), not with 8-bit A. L4-R4 at V 2, N 128, sparsity 0.85, M = K = 1536 (768 vector rows, a row
-# a warp, 11 busy warps an SM on 132 SMs), BH 1: 46.5 KB against 20 (L8-R4 there against 80); at
-# sparsity 0.96: 11.6 KB, under 20 (14.2 on 108 SMs). L16-R4 at sparsity 0.85, M = K = 1408: 37.3 KB
-# against 80, its gather grid of 704 CTAs one wave (before, against 20: the resident kernel, which
-# took 1.13x the gather kernel's time in a cell beside it); at sparsity 0.9, M = K = 2048: 54.3 KB
-# against 20, 1024 CTAs leaving 100 in a second wave of 924 (on 108-143 SMs 50-66 KB, at most 268 of
-# 756-1001). L4-R4 at sparsity 0.9, M = K = 1024 (7 busy warps an SM): 15.5 KB against 80.
+# a quarter of it at any BH where the resident grid keeps ten warps an SM or more in rows, with
+# 4-bit A, and with 12- and 16-bit A where the gather kernel's grid ends in a wave under half full
+# (7 CTAs an SM), not with 8-bit A. L4-R4 at V 2, N 128, sparsity 0.85, M = K = 1536 (768 vector
+# rows, a row a warp, 11 busy warps an SM on 132 SMs), BH 1: 46.5 KB against 20 (L8-R4 there against
+# 80); at sparsity 0.96: 11.6 KB, under 20 (14.2 on 108 SMs). L16-R4 at sparsity 0.85, M = K = 1408:
+# 37.3 KB against 80, its gather grid of 704 CTAs one wave (before, against 20: the resident kernel,
+# which took 1.13x the gather kernel's time in a cell beside it); at sparsity 0.9, M = K = 2048:
+# 54.3 KB against 20, 1024 CTAs leaving 100 in a second wave of 924 (on 108-143 SMs 50-66 KB, at
+# most 268 of 756-1001). L4-R4 at sparsity 0.9, M = K = 1024 (7 busy warps an SM): 15.5 KB against
+# 80.
 BATCHED_CASES = [
     pytest.param((8, 8, 4, 0.9, 2048, 128), 16, "resident", id="dense-factor-resident", marks=wgmma_estimate),
     pytest.param((8, 8, 2, 0.5, 2048, 256), 16, "dense", id="dense-factor-dense", marks=wgmma_estimate),
