@@ -35,7 +35,7 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& 
 }
 
 // MAGICUBE_SPMM_KERNEL forces a kernel where it applies (tests, benchmarks): gather, stacked (the
-// gather kernel, stacking 16-bit A's planes, or 12-bit A's digits, wherever it can: launch_fast),
+// gather kernel, stacking 16-bit A's planes, or 12-bit A's digits, wherever it can: launch_gather),
 // merged (the gather kernel on V 2 rows merged four at a time: launch_merged), resident (the
 // resident-B kernel), dense (the dense path) or dense_wgmma (the dense path, and our GEMM on wgmma
 // wherever it runs: Hopper); auto, the default, lets the rules below pick; tuned times the ways
@@ -66,14 +66,14 @@ Choice kernel_choice() {
 // gather kernel allows the next launch after its main loop, not at its start: CTAs of the next
 // kernel resident during the gathers took the L1 that cp.async.ca reuses (4-bit B up to 35 %
 // slower).
-template <int AB, bool AS, int BB, bool FAST, int TB = magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes,
-          int STACK = 0, bool MERGE = false, int PAIR_RING = 0>
+template <int AB, bool AS, int BB, int TB = magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes, int STACK = 0,
+          bool MERGE = false, int PAIR_RING = 0>
 void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t stream, int64_t smem = 0) {
   const int64_t tiles = (p.row_bytes + TB - 1) / TB;
   MAGICUBE_CHECK(tiles <= 65535 && vrows <= INT32_MAX, "spmm: N or M too large");
   const dim3 grid(static_cast<unsigned>(MERGE ? vrows / 4 : vrows), static_cast<unsigned>(tiles),
                   static_cast<unsigned>(bh));
-  constexpr auto kernel = magicube::spmm_detail::spmm_kernel<AB, AS, BB, FAST, TB, STACK, MERGE, PAIR_RING>;
+  constexpr auto kernel = magicube::spmm_detail::spmm_kernel<AB, AS, BB, TB, STACK, MERGE, PAIR_RING>;
   // Where one wave holds every CTA, the rows' order (longest first, for the tail of a longer grid)
   // buys nothing, and reading it put a round trip to L2 before each CTA's first read of the
   // pattern: there CTA i takes vector row i (row_order null).
@@ -116,7 +116,7 @@ bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, 
   } else {
     if (p.merge_blocks < 0 || (choice != Choice::kMerged && choice != Choice::kAuto)) return false;
     namespace sd = magicube::spmm_detail;
-    constexpr auto kernel = sd::spmm_kernel<AB, AS, BB, true, TB, 0, true>;
+    constexpr auto kernel = sd::spmm_kernel<AB, AS, BB, TB, 0, true>;
     const int64_t smem = sd::MergedRows<sd::Kind<AB, AS, BB, TB>>::smem_bytes(p.merge_blocks, p.k);
     if (smem > magicube::max_dynamic_smem<kernel>()) return false;
     const int64_t ctas = vrows / 4 * ((p.row_bytes + TB - 1) / TB) * bh;
@@ -125,7 +125,7 @@ bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, 
     const bool pays = (BB != 4 || !p.out_int64) && p.row_bytes >= sd::kNarrowTileBytes &&
                       ((nnz_pad <= 4 * kSlots * vrows && ctas >= 3 * sms) || (short_rows && 4 * ctas >= 7 * sms));
     if (choice == Choice::kAuto && !pays) return false;
-    launch_tiles<AB, AS, BB, true, TB, 0, true>(p, vrows, bh, stream, smem);
+    launch_tiles<AB, AS, BB, TB, 0, true>(p, vrows, bh, stream, smem);
     return true;
   }
 }
@@ -136,7 +136,7 @@ bool can_stack(int64_t a_bits, bool a_signed, int64_t v) {
   return a_bits >= 12 && (v == 2 || (v == 4 && (!a_signed || a_bits == 12)));
 }
 
-// The fast copies' tiles. 16-bit A at V 2 can stack its planes into one MMA (spmm_kernel.cuh),
+// The gather kernel on tile TB. 16-bit A at V 2 can stack its planes into one MMA (spmm_kernel.cuh),
 // except on 8-bit B's narrow tile, and does where its rows average two blocks or more and the grid
 // holds four CTAs an SM or more (with 16-bit B, rows of one block too where the two-MMA form's grid
 // takes more than one wave). H200, gather kernel, M = K 1024-4096, N 128-512, sparsity 0.7 / 0.9 /
@@ -168,17 +168,17 @@ bool can_stack(int64_t a_bits, bool a_signed, int64_t v) {
 // L16-R4, -R8, -R16, BH 1-3, M = K 896-4864, 4.4-18 CTAs an SM, sparsity 0.9-0.99) the 208 that the
 // waves moved took 0.836x and 0.834x the time in two A/Bs, 0.73-1.01x by cell, the others 1.000x
 // and 1.004x (kernel_checks.md, sixty-fifth round). None stack by default on 4-bit B's quarter tile
-// (on_fast_tile): there, forced, the stacked form took 1.07-1.22x the two-MMA form's time by A, V
+// (on_tile): there, forced, the stacked form took 1.07-1.22x the two-MMA form's time by A, V
 // and BH (H200, 12- and 16-bit A at V 2, 12-bit A at V 4, BH 1-16, M = K 512-4096, N 32-128, 786
 // cells; 0.91-1.36x by cell), and the 38 of those cells that the rule stacked took 1.12x
 // (kernel_checks.md, eighty-fourth round).
 template <int AB, bool AS, int BB, int TB>
-void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice,
-                 int64_t a_bits) {
+void launch_gather(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice,
+                   int64_t a_bits) {
   namespace sd = magicube::spmm_detail;
   const int64_t ctas = vrows * ((p.row_bytes + TB - 1) / TB) * bh;
   const auto waves = [ctas](int64_t wave) { return (ctas + wave - 1) / wave; };
-  constexpr auto one = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false>;  // one block a step
+  constexpr auto one = sd::spmm_kernel<AB, AS, BB, TB, 0, false>;  // one block a step
   const auto one_waves = [&] { return waves(magicube::wave_ctas<one>(kThreads, 0)); };
   if constexpr (AB == 16 && !sd::Kind<AB, AS, BB, TB>::kLocalSums) {
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -186,13 +186,13 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
     const bool open = choice != Choice::kGather && choice != Choice::kMerged && TB != sd::kQuarterTileBytes;
     const auto rows_pay = [&] { return nnz_pad >= 2 * kSlots * vrows || (BB == 16 && one_waves() > 1); };
     if (p.v == 2 && can_stack(a_bits, AS, 2) && (forced || (open && ctas >= 4 * sms && rows_pay())))
-      return launch_tiles<AB, AS, BB, true, TB, 2>(p, vrows, bh, stream);
+      return launch_tiles<AB, AS, BB, TB, 2>(p, vrows, bh, stream);
     // Signed A stacks at V 4 as 12-bit values only, which meet 4-bit B only (spmm_cuda's checks).
     if constexpr (!AS || BB == 4) {
-      constexpr auto stacked = sd::spmm_kernel<AB, AS, BB, true, TB, 4, false>;
+      constexpr auto stacked = sd::spmm_kernel<AB, AS, BB, TB, 4, false>;
       const auto fewer_waves = [&] { return waves(magicube::wave_ctas<stacked>(kThreads, 0)) < one_waves(); };
       if (p.v == 4 && can_stack(a_bits, AS, 4) && (forced || (open && (ctas >= 10 * sms || fewer_waves()))))
-        return launch_tiles<AB, AS, BB, true, TB, 4>(p, vrows, bh, stream);
+        return launch_tiles<AB, AS, BB, TB, 4>(p, vrows, bh, stream);
     }
   }
   // The integer kinds take two blocks a step (spmm_kernel's PAIR_RING) where rows average two blocks
@@ -222,20 +222,20 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
   // fp16 output) pairing took 1.051x the time (up to 1.16x, 30 cells) and 1.101x (up to 1.20x, 13
   // cells), where the waves are the same 0.970x and 0.990x (same round).
   if constexpr (!sd::Kind<AB, AS, BB, TB>::kFp16 && AB != 4) {
-    constexpr auto four = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false, 4>;
+    constexpr auto four = sd::spmm_kernel<AB, AS, BB, TB, 0, false, 4>;
     const int64_t wave = magicube::wave_ctas<four>(kThreads, 0);
     const bool pays = AB == 8 && BB == 4 ? nnz_pad > 3 * kSlots * vrows && ctas <= wave
                                          : nnz_pad >= 2 * kSlots * vrows && waves(wave) <= one_waves();
     if (pays) {
       if constexpr (AB == BB && TB == sd::kWideTileBytes) {
-        constexpr auto five = sd::spmm_kernel<AB, AS, BB, true, TB, 0, false, 5>;
+        constexpr auto five = sd::spmm_kernel<AB, AS, BB, TB, 0, false, 5>;
         if (ctas <= magicube::wave_ctas<five>(kThreads, 0))
-          return launch_tiles<AB, AS, BB, true, TB, 0, false, 5>(p, vrows, bh, stream);
+          return launch_tiles<AB, AS, BB, TB, 0, false, 5>(p, vrows, bh, stream);
       }
-      return launch_tiles<AB, AS, BB, true, TB, 0, false, 4>(p, vrows, bh, stream);
+      return launch_tiles<AB, AS, BB, TB, 0, false, 4>(p, vrows, bh, stream);
     }
   }
-  launch_tiles<AB, AS, BB, true, TB>(p, vrows, bh, stream);
+  launch_tiles<AB, AS, BB, TB>(p, vrows, bh, stream);
 }
 
 // Rows of at most 128 bytes (8-bit B of N <= 128, 16-bit and fp16 B of N <= 64) take the narrow
@@ -252,10 +252,9 @@ void launch_fast(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cu
 // N 16-64, BH 1-16, 992 cells), 0.85x and 0.83x the narrow tile's time with 8- and 16-bit A on rows
 // of 64 bytes (0.67-1.00x by cell; L8-R8 at M = K 4096, N 64, V 8, sparsity 0.9: 6.36 -> 5.17 us),
 // 0.89x and 0.86x on rows of 32, 0.94-0.97x on rows of 16 and 48 (up to 1.05x; eighty-sixth round).
-// The generic copies (rows not on 16 bytes) keep the wide tile. Returns what `f.template
-// operator()<TB>()` returns with that tile TB.
+// Returns what `f.template operator()<TB>()` returns with that tile TB.
 template <int AB, bool AS, int BB, class F>
-decltype(auto) on_fast_tile(const Params& p, F&& f) {
+decltype(auto) on_tile(const Params& p, F&& f) {
   namespace sd = magicube::spmm_detail;
   if constexpr (BB == 8 || BB == 4) {
     if (p.row_bytes <= sd::kQuarterTileBytes) return f.template operator()<sd::kQuarterTileBytes>();
@@ -265,11 +264,10 @@ decltype(auto) on_fast_tile(const Params& p, F&& f) {
 }
 
 template <int AB, bool AS, int BB>
-void launch(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
-            Choice choice, int64_t a_bits) {
-  if (!fast) return launch_tiles<AB, AS, BB, false>(p, vrows, bh, stream);
-  on_fast_tile<AB, AS, BB>(
-      p, [&]<int TB>() { launch_fast<AB, AS, BB, TB>(p, vrows, bh, nnz_pad, stream, choice, a_bits); });
+void launch(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice,
+            int64_t a_bits) {
+  on_tile<AB, AS, BB>(
+      p, [&]<int TB>() { launch_gather<AB, AS, BB, TB>(p, vrows, bh, nnz_pad, stream, choice, a_bits); });
 }
 
 // The resident kernel's CTAs a (slice, bh) at WARPS warps a CTA: as many as one wave holds, at most
@@ -342,7 +340,7 @@ std::pair<int64_t, int64_t> resident_groups(int64_t smem, int64_t slices, int64_
 // 0.98) and 0.804x (168 cells, this bound; 0.65-1.17x by cell), the others 1.000x. Not with 8-bit
 // A, whose gather kernel runs such rows faster (M = K 1536, V 2, sparsity 0.96: 3.9 us against 4.6
 // resident; 5.0-5.5 with 4-, 12- and 16-bit A; kernel_checks.md, sixty-sixth round).
-// 4-bit B's rows of at most 64 bytes run on the gather kernel's quarter tile (on_fast_tile), which
+// 4-bit B's rows of at most 64 bytes run on the gather kernel's quarter tile (on_tile), which
 // took 0.74-0.81x the narrow tile's time on them, and count against that tile: a quarter of it from
 // 10 KB, half from 20 KB, more from 80 KB, and batched down to a sixteenth at BH 16 (busy grids keep
 // at least their quarter). Fitted on an H200 with every way forced and the choice of each count
@@ -350,7 +348,7 @@ std::pair<int64_t, int64_t> resident_groups(int64_t smem, int64_t slices, int64_
 // 0.5-0.98 on the sweep's grid and 0.6-0.96 beside it, BH 1, 4 and 16), the choice took 1.014x the
 // fastest way's time against 1.032x with the narrow tile's counts; on 1248 fresh cells (M = K
 // 640-3584, sparsity 0.65-0.97, BH 1, 2 and 8) 1.023x against 1.029x, and with the quarter tile's
-// rows no longer stacked (launch_fast) 1.015x; the 172 cells the two moved took 0.90x the time,
+// rows no longer stacked (launch_gather) 1.015x; the 172 cells the two moved took 0.90x the time,
 // 0.74-1.33x by cell (kernel_checks.md, eighty-fourth round). There 12- and 16-bit A keep the
 // busy grids' quarter only where the gather kernel's grid leaves its last wave under half full (7
 // CTAs an SM on the quarter tile): in that data, such rows at a last wave of 0.11 took 0.70-1.04x
@@ -370,11 +368,10 @@ std::pair<int64_t, int64_t> resident_groups(int64_t smem, int64_t slices, int64_
 // kernel's shared-memory gathers lose to bank conflicts (N 256: 8.6 against 14.5 us at the SpMM
 // target). Returns whether it ran.
 template <int AB, bool AS, int BB>
-bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
+bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream,
                      Choice choice) {
   namespace sd = magicube::spmm_detail;
-  if (choice == Choice::kGather || choice == Choice::kStacked || choice == Choice::kMerged || forces_dense(choice) ||
-      !fast)
+  if (choice == Choice::kGather || choice == Choice::kStacked || choice == Choice::kMerged || forces_dense(choice))
     return false;
   constexpr auto wide = sd::spmm_resident_kernel<AB, AS, BB, 16>;
   constexpr auto small = sd::spmm_resident_kernel<AB, AS, BB, 4>;
@@ -406,12 +403,9 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   // Whether the gather kernel's grid (one CTA a vector row on the quarter tile) ends in a wave under
   // half full.
   const auto gather_tail = [&] {
-    if constexpr (BB == 4) {
-      constexpr auto gather = sd::spmm_kernel<AB, AS, BB, true, sd::kQuarterTileBytes, 0, false>;
-      const int64_t ctas = vrows * bh, wave = magicube::wave_ctas<gather>(kThreads, 0);
-      return ctas > wave && 2 * ((ctas - 1) % wave + 1) < wave;
-    }
-    return false;
+    constexpr auto gather = sd::spmm_kernel<AB, AS, BB, sd::kQuarterTileBytes, 0, false>;
+    const int64_t ctas = vrows * bh, wave = magicube::wave_ctas<gather>(kThreads, 0);
+    return ctas > wave && 2 * ((ctas - 1) % wave + 1) < wave;
   };
   const bool quarter_busy = quarter_counts && 4 * rb > tile && busy_warps >= 10 &&
                             32 * rows * nnz_pad >= vrows * p.k && (AB == 4 || (AB == 16 && gather_tail()));
@@ -832,30 +826,30 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
 // 16 (V 2, M = K 512-2048, sparsity 0.9-0.98), 0.51-0.95x in the 15 such cells of the 288 of L8-R8
 // and L16-R8 measured with every way forced at BH 1, 4 and 16 (fifty-sixth round).
 template <int AB, bool AS, int BB>
-void launch_integer(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
-                    int64_t a_bits, Choice choice, const std::optional<Dense>& dense) {
+void launch_integer(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, int64_t a_bits,
+                    Choice choice, const std::optional<Dense>& dense) {
   // Rows merge on the narrow tile or wider (launch_merged).
   const auto merged = [&]<int TB>() {
     return launch_merged<AB, AS, BB, std::max(TB, magicube::spmm_detail::kNarrowTileBytes)>(p, vrows, bh, nnz_pad,
                                                                                            stream, choice);
   };
-  if (!dense && fast && on_fast_tile<AB, AS, BB>(p, merged)) return;
+  if (!dense && on_tile<AB, AS, BB>(p, merged)) return;
   if constexpr (BB == 8 || BB == 4) {
     const bool resident_first = 2 * p.row_bytes <= magicube::spmm_detail::kNarrowTileBytes;
     if ((!dense || (resident_first && !dense->by_far)) &&
-        launch_resident<AB, AS, BB>(p, vrows, bh, nnz_pad, stream, fast, choice))
+        launch_resident<AB, AS, BB>(p, vrows, bh, nnz_pad, stream, choice))
       return;
   }
   if (dense) return run_dense<AB, BB>(p, *dense, vrows, bh, AS, stream);
-  launch<AB, AS, BB>(p, vrows, bh, nnz_pad, stream, fast, choice, a_bits);
+  launch<AB, AS, BB>(p, vrows, bh, nnz_pad, stream, choice, a_bits);
 }
 
 // launch_integer, A's signedness made a template argument.
 template <int AB, int BB>
-void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, bool fast,
-                 int64_t a_bits, bool a_signed, Choice choice, const std::optional<Dense>& dense) {
-  if (a_signed) launch_integer<AB, true, BB>(p, vrows, bh, nnz_pad, stream, fast, a_bits, choice, dense);
-  else launch_integer<AB, false, BB>(p, vrows, bh, nnz_pad, stream, fast, a_bits, choice, dense);
+void launch_pair(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, int64_t a_bits,
+                 bool a_signed, Choice choice, const std::optional<Dense>& dense) {
+  if (a_signed) launch_integer<AB, true, BB>(p, vrows, bh, nnz_pad, stream, a_bits, choice, dense);
+  else launch_integer<AB, false, BB>(p, vrows, bh, nnz_pad, stream, a_bits, choice, dense);
 }
 
 // Holds the stream for `ns` nanoseconds, so that the host queues the calls after it before the GPU
@@ -871,7 +865,7 @@ __global__ void hold(uint64_t ns) {
 }
 
 // MAGICUBE_SPMM_KERNEL=tuned, as cuDNN's benchmark mode: the first call of a problem (its key:
-// device, precisions, shapes, V, BH, stored slots, longest row, row bytes, copy width, output type)
+// device, precisions, shapes, V, BH, stored slots, longest row, row bytes, output type)
 // times each of the ways `candidates()` lists by `run` and remembers the fastest, which later calls
 // run without timing; every way gives the same bits. Each way is called once (attributes,
 // workspace), then timed twice over five back-to-back calls queued behind `hold` (CUDA events on
@@ -879,7 +873,7 @@ __global__ void hold(uint64_t ns) {
 // launch path, longest for the dense path's launches and workspace, and the choice took up to 1.5x
 // the rules' time in small and middle cells (H200). Inside a CUDA graph capture nothing can be
 // timed: a problem not tuned yet takes the automatic choice there, unremembered.
-using TuneKey = std::array<int64_t, 14>;
+using TuneKey = std::array<int64_t, 13>;
 
 template <class Candidates, class Run>
 Choice tuned_choice(const TuneKey& key, cudaStream_t stream, Candidates&& candidates, Run&& run) {
@@ -913,6 +907,52 @@ Choice tuned_choice(const TuneKey& key, cudaStream_t stream, Candidates&& candid
     }
   known.emplace(key, best);
   return best;
+}
+
+// B's rows copied into rows of row_words 4-byte words, zeros past row_bytes: a word a thread, kPadRows
+// rows a CTA. Launched overlapped, and it lets the next kernel launch at its start; where that is
+// the resident kernel, whose grid is sized to one wave, part of the grid then waited beside the
+// copy's CTAs and the call took up to 2.3x the time of aligned rows of the padded width (L8-R8, M =
+// K 3584, V 8, sparsity 0.6: 29.9 us against 13.2; kernel_checks.md, eighty-seventh round).
+constexpr int kPadRows = 32;
+__global__ void pad_rows_kernel(const uint8_t* b, uint32_t* out, int64_t rows, int row_bytes, int row_words) {
+  magicube::await_inputs();
+  magicube::allow_next_launch();
+  const int64_t row0 = int64_t{blockIdx.x} * kPadRows;
+  const int words = static_cast<int>(std::min<int64_t>(kPadRows, rows - row0)) * row_words;
+  for (int w = threadIdx.x; w < words; w += blockDim.x) {
+    const int r = w / row_words, byte = (w - r * row_words) * 4;
+    const uint8_t* row = b + (row0 + r) * row_bytes;
+    uint32_t x = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (byte + j < row_bytes) x |= uint32_t{row[byte + j]} << (8 * j);
+    out[row0 * row_words + w] = x;
+  }
+}
+
+// B as the kernels read it: rows of whole 16-byte chunks from a 16-byte aligned start, as every
+// copy of B into shared memory is one cp.async of 16 bytes (the gather kernel's tiles, the resident
+// kernel's slices). Other rows are copied first (pad_rows_kernel), padded with zeros, which reach
+// only output columns past N, never stored. Before, such rows took copies of 8, 4 or 1 bytes on the
+// gather kernel's wide tile and no way but it and the dense path: 8-bit B's rows of 40 and 56 bytes
+// took 2.5x the time of rows of 48 on the geometric mean, up to 8.4x (H200, L8-R8 and L16-R8, M = K
+// 640-3584, V 2 / 4 / 8, sparsity 0.6-0.97, BH 1, 2 and 8: 348 cells). Padded, the same cells took
+// 0.51x the time of before (0.13-1.6x; 25 cells slower: small problems, where the copy's 1.3-1.9 us
+// count, and V 2 at low sparsity, where the dense path had run), 1.30-1.45x the time of aligned
+// rows of the padded width by pair and width (L16-R16 and L8-R4 too); at::constant_pad_nd (two
+// kernels, 3.2 us) took 1.32x this copy's time (kernel_checks.md, eighty-seventh round).
+at::Tensor padded_rows(const at::Tensor& b, cudaStream_t stream) {
+  const int64_t row_bytes = b.size(2) * b.element_size(), padded_bytes = (row_bytes + 15) / 16 * 16;
+  if (padded_bytes == row_bytes) return magicube::aligned16(b);
+  at::Tensor out = at::empty({b.size(0), b.size(1), padded_bytes / b.element_size()}, b.options());
+  const int64_t rows = b.size(0) * b.size(1), ctas = (rows + kPadRows - 1) / kPadRows;
+  if (rows == 0) return out;
+  MAGICUBE_CHECK(ctas <= INT32_MAX && padded_bytes * kPadRows / 4 <= INT32_MAX, "spmm: b too large");
+  magicube::launch_overlapped(pad_rows_kernel, dim3(static_cast<unsigned>(ctas)), dim3(256), 0, stream,
+                              static_cast<const uint8_t*>(b.data_ptr()), static_cast<uint32_t*>(out.data_ptr()), rows,
+                              static_cast<int>(row_bytes), static_cast<int>(padded_bytes / 4));
+  return out;
 }
 
 at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& row_order,
@@ -998,23 +1038,16 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   // The gather kernel's paired steps and the dense path's expansion copy the indices 16 bytes at a
   // time.
   const at::Tensor a_al = magicube::aligned16(a_values), cols_al = magicube::aligned16(col_idx);
-  const int64_t row_bytes = b.size(2) * b.element_size();
-  // Widest copy that every dense row start admits.
-  const uintptr_t base = reinterpret_cast<uintptr_t>(b.data_ptr());
-  int copy_bytes = 1;
-  for (int c : {16, 8, 4}) {
-    if (row_bytes % c == 0 && base % c == 0) {
-      copy_bytes = c;
-      break;
-    }
-  }
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const at::Tensor b_al = padded_rows(b, stream);
+  const int64_t row_bytes = b_al.size(2) * b_al.element_size();
 
   Params p;
   p.row_ptr = row_ptr.data_ptr<int>();
   p.col_idx = cols_al.data_ptr<int>();
   p.row_order = row_order.data_ptr<int>();
   p.a = static_cast<const uint8_t*>(a_al.data_ptr());
-  p.b = static_cast<const uint8_t*>(b.data_ptr());
+  p.b = static_cast<const uint8_t*>(b_al.data_ptr());
   p.scale_a = sa;
   p.scale_b = sb;
   p.out = out.data_ptr();
@@ -1025,7 +1058,6 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   p.k = static_cast<int>(k);
   p.v = static_cast<int>(v);
   p.row_bytes = static_cast<int>(row_bytes);
-  p.copy_bytes = copy_bytes;
   p.out_int64 = out_dtype == at::kLong;
   p.balance = magicube::long_rows(nnz_pad, vrows, longest_row, kSlots).candidates > 0;
   // V 2 rows merge four at a time (launch_merged) into a union of at most four rows' columns (of
@@ -1035,11 +1067,9 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
   const int64_t union_blocks = std::clamp<int64_t>((union_bound + kSlots - 1) / kSlots, 1, kMergeBlocks);
   p.merge_blocks = static_cast<int8_t>(v == 2 && vrows % 4 == 0 ? union_blocks : -1);
 
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const bool fast = copy_bytes == 16;
   Choice choice = kernel_choice();
   if (fp16) {
-    launch<0, true, 0>(p, vrows, bh, nnz_pad, stream, fast, choice, a_bits);
+    launch<0, true, 0>(p, vrows, bh, nnz_pad, stream, choice, a_bits);
     return out;
   }
   // One call of the integer pair by `way` (auto: the rules' pick).
@@ -1053,17 +1083,17 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
       if (share * batched_dense(bh) < 1.0) dense = Dense{d, out, share < kDenseByFar};
     }
     if (a_bits == 8 && b_bits == 8) {
-      launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, fast, a_bits, a_signed, way, dense);
+      launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, a_bits, a_signed, way, dense);
     } else if (a_bits == 4 && b_bits == 4) {
-      launch_pair<4, 4>(p, vrows, bh, nnz_pad, stream, fast, a_bits, a_signed, way, dense);
+      launch_pair<4, 4>(p, vrows, bh, nnz_pad, stream, a_bits, a_signed, way, dense);
     } else if (a_bits >= 12 && b_bits == 8) {
-      launch_pair<16, 8>(p, vrows, bh, nnz_pad, stream, fast, a_bits, a_signed, way, dense);
+      launch_pair<16, 8>(p, vrows, bh, nnz_pad, stream, a_bits, a_signed, way, dense);
     } else if (a_bits >= 12 && b_bits == 16) {
-      launch_pair<16, 16>(p, vrows, bh, nnz_pad, stream, fast, a_bits, a_signed, way, dense);
+      launch_pair<16, 16>(p, vrows, bh, nnz_pad, stream, a_bits, a_signed, way, dense);
     } else if (a_bits == 8 && b_bits == 4) {
-      launch_pair<8, 4>(p, vrows, bh, nnz_pad, stream, fast, a_bits, a_signed, way, dense);
+      launch_pair<8, 4>(p, vrows, bh, nnz_pad, stream, a_bits, a_signed, way, dense);
     } else {
-      launch_pair<16, 4>(p, vrows, bh, nnz_pad, stream, fast, a_bits, a_signed, way, dense);
+      launch_pair<16, 4>(p, vrows, bh, nnz_pad, stream, a_bits, a_signed, way, dense);
     }
   };
   if (choice == Choice::kTuned) {
@@ -1071,14 +1101,14 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
     // dense path, where each applies (listed only where a problem is tuned, not on every call).
     auto candidates = [&] {
       std::vector<Choice> ways{Choice::kGather};
-      if (fast && can_stack(a_bits, a_signed, v)) ways.push_back(Choice::kStacked);
-      if (fast && p.merge_blocks >= 0) ways.push_back(Choice::kMerged);
-      if (fast && b_bits != 16) ways.push_back(Choice::kResident);
+      if (can_stack(a_bits, a_signed, v)) ways.push_back(Choice::kStacked);
+      if (p.merge_blocks >= 0) ways.push_back(Choice::kMerged);
+      if (b_bits != 16) ways.push_back(Choice::kResident);
       const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits, bh, false);
       if (d.applies() && d.fits(bh)) ways.push_back(Choice::kDense);
       return ways;
     };
-    const TuneKey key{b.get_device(), a_bits, a_signed, b_bits, m, n, k, v, bh, nnz_pad, longest_row, row_bytes, fast,
+    const TuneKey key{b.get_device(), a_bits, a_signed, b_bits, m, n, k, v, bh, nnz_pad, longest_row, row_bytes,
                       p.out_int64};
     choice = tuned_choice(key, stream, candidates, run);
   }

@@ -81,15 +81,14 @@ struct Params {
   const int* col_idx;
   const int* row_order;  // or null in the gather kernel: vector row i in CTA i (launch_tiles)
   const uint8_t* a;     // sparse values, [BH, nnz_pad * V] containers (bytes)
-  const uint8_t* b;     // dense, [BH, K, row_bytes]
+  const uint8_t* b;     // dense, [BH, K, row_bytes], 16-byte aligned
   const float* scale_a; // [BH, M] or null
   const float* scale_b; // [BH, N] or null
   void* out;            // [BH, M, N]: int64, or fp16
   int64_t a_bh_bytes;
   int64_t b_bh_bytes;
   int m, n, k, v;
-  int row_bytes;        // bytes of one dense row of B
-  int copy_bytes;       // generic path: 8 or 4 (cp.async piece) or 1 (synchronous bytes)
+  int row_bytes;        // bytes of one dense row of B: a multiple of 16 (spmm_cuda pads B's rows)
   bool out_int64;
   // Resident-B kernel: warps take rows of about equal work (some row may be long, or it is not
   // known), else every warps-th row.
@@ -764,14 +763,14 @@ struct MergedRows {
 // back to back) over a ring of PAIR_RING slots, and the column indices of the row's first
 // kColBlocks blocks are copied to shared memory before the first gather, so no step among them
 // waits on a global load of indices (past them, the indices are read from global memory at issue).
-// launch_fast says where each ring runs.
-template <int AB, bool AS, int BB, bool FAST, int TB, int STACK, bool MERGE, int PAIR_RING = 0>
+// launch_gather says where each ring runs.
+template <int AB, bool AS, int BB, int TB, int STACK, bool MERGE, int PAIR_RING = 0>
 __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   using K = Kind<AB, AS, BB, TB, STACK>;
   constexpr bool kPairs = PAIR_RING != 0;
-  static_assert(!MERGE || (FAST && STACK == 0 && !K::kFp16), "rows merge in the fast integer kernel");
-  static_assert(!kPairs || (PAIR_RING >= 4 && FAST && STACK == 0 && !MERGE && !K::kFp16),
-                "paired steps are for the fast integer kernel, over four slots or more");
+  static_assert(!MERGE || (STACK == 0 && !K::kFp16), "rows merge in the integer kernel");
+  static_assert(!kPairs || (PAIR_RING >= 4 && STACK == 0 && !MERGE && !K::kFp16),
+                "paired steps are for the integer kernel, over four slots or more");
   constexpr int kTileBytes = K::kTileBytes;
   constexpr int kChunks = K::kChunks;
   constexpr int kCopyRows = K::kCopyRows;
@@ -846,24 +845,12 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
       const uint8_t* src =
           b_chunk + static_cast<uint64_t>(live ? static_cast<uint32_t>(c[q]) : 0u) * static_cast<uint32_t>(p.row_bytes);
       const uint32_t dst = stage + cdst[q];
-      if constexpr (FAST) {
-        // 8- and 16-bit B bypass L1 (.cg). H100, M = K 512-4096, V 2 and 8, sparsity 0.7-0.98:
-        // L8-R8 and L16-R8 (N 128, 256) 3.3 % less time on the geometric mean, up to 17 % (the
-        // target shape 9.8 -> 8.7 us); L16-R16 and fp16 (N 128-512) 5.2 % and 10.7 %, up to
-        // 28 %. 4-bit B keeps its L1 lines (.ca): through L2 only it was 1.6 % slower, up to
-        // 32 % at N 128 (rows of 64 bytes).
-        cp_async16<BB == 4>(dst, src, live ? 16 : 0);
-      } else if (p.copy_bytes >= 4) {
-        for (int piece = 0; piece < 16; piece += p.copy_bytes) {
-          const bool in = live && cbyte + piece < p.row_bytes;
-          if (p.copy_bytes == 8) cp_async8(dst + piece, in ? src + piece : p.b, in ? 8 : 0);
-          else cp_async4(dst + piece, in ? src + piece : p.b, in ? 4 : 0);
-        }
-      } else {
-        uint8_t* d = smem + (dst - smem0);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) d[j] = (live && cbyte + j < p.row_bytes) ? src[j] : 0;
-      }
+      // 8- and 16-bit B bypass L1 (.cg). H100, M = K 512-4096, V 2 and 8, sparsity 0.7-0.98:
+      // L8-R8 and L16-R8 (N 128, 256) 3.3 % less time on the geometric mean, up to 17 % (the
+      // target shape 9.8 -> 8.7 us); L16-R16 and fp16 (N 128-512) 5.2 % and 10.7 %, up to 28 %.
+      // 4-bit B keeps its L1 lines (.ca): through L2 only it was 1.6 % slower, up to 32 % at N
+      // 128 (rows of 64 bytes).
+      cp_async16<BB == 4>(dst, src, live ? 16 : 0);
     }
     if (!MERGE && tid < sparse_chunks) {
       const uint8_t* src = a_bh + (int64_t)blk * kSparseStage / 8 * v + tid * 16;

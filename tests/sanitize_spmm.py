@@ -68,9 +68,9 @@ def main() -> int:
             mask[2] = True
             vm = VectorMask(mask, v)
             p = SRBCRS.from_mask(vm, stride=32)
-            # N = 36: misaligned rows (generic copies); N = 48: the quarter tile (8- and 4-bit B)
+            # N = 36: rows not on 16 bytes (padded); N = 48: the quarter tile (8- and 4-bit B)
             # and 16-bit B's narrow tile; N = 96: 8-bit B's narrow tile; N = 128: 4-bit B's quarter
-            # tile, whole; N = 160: 16-byte copies with a partial tile (for every B).
+            # tile, whole; N = 160: a partial tile (for every B).
             for n in (36, 48, 96, 128, 160):
                 for a_bits, b_bits, a_signed in KINDS + [(0, 0, True)]:
                     if not check(g, p, vm.to_dense(), 2, 130, n, v, a_bits, b_bits, a_signed):

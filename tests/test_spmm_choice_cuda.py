@@ -79,13 +79,13 @@ def _kernels_run(*shape, call=None):
 
 def _gather_instance(*shape):
     """The template arguments of the one gather kernel that a call launched (_problem's
-    arguments), by name: AB, AS, BB, FAST, TB, STACK, MERGE, PAIR_RING."""
+    arguments), by name: AB, AS, BB, TB, STACK, MERGE, PAIR_RING."""
     names = _kernels_run(*shape)
     gathers = [name for name in names if WAY_KERNELS["gather"] in name]
     others = [name for name in names for way in ("resident", "dense") if WAY_KERNELS[way] in name]
     assert len(gathers) == 1 and not others, names
     args = gathers[0].split(WAY_KERNELS["gather"])[1].split(">")[0].split(", ")
-    return dict(zip(("AB", "AS", "BB", "FAST", "TB", "STACK", "MERGE", "PAIR_RING"), args, strict=True))
+    return dict(zip(("AB", "AS", "BB", "TB", "STACK", "MERGE", "PAIR_RING"), args, strict=True))
 
 
 def _ways_run(*shape, call=None):
@@ -104,6 +104,8 @@ AUTO_CASES = {
     # Rows of 32 bytes and some 27 KB of gathers an SM (132 SMs): the resident kernel, which pays
     # from 12 KB.
     "narrow-resident": (8, 8, 2, 0.9, 2048, 32, "resident"),
+    # Rows of 24 bytes, padded to 32 (spmm_cuda): the same.
+    "unaligned-narrow-resident": (8, 8, 2, 0.9, 2048, 24, "resident"),
     # Rows of 64 bytes where the dense path pays against the gather kernel (its estimate 0.65 of
     # the gather's on Hopper, 0.83 elsewhere; at 4-bit B and sparsity 0.6, 0.67 and 0.86): the
     # resident kernel comes first (launch_integer).
@@ -296,8 +298,9 @@ def test_stacked_planes(kernels, monkeypatch, case):
 
 
 # (a_bits, b_bits, V, sparsity, M = K, N, the gather kernel's tile TB in bytes): rows of at most 64
-# bytes of 8- and 4-bit B take the quarter tile (on_fast_tile), rows of 65-128 bytes the narrow one;
-# 8-bit B's rows of 256 bytes the wide one (4-bit B's tile is 128 bytes at most).
+# bytes of 8- and 4-bit B take the quarter tile (on_tile), rows of 65-128 bytes the narrow one;
+# 8-bit B's rows of 256 bytes the wide one (4-bit B's tile is 128 bytes at most). Rows not on 16
+# bytes take the tile of their padded width (spmm_cuda pads them).
 TILE_CASES = {
     "L8-R4-64-byte-rows": (8, 4, 8, 0.9, 1024, 128, 64),
     "L16-R4-32-byte-rows": (16, 4, 4, 0.9, 1024, 64, 64),
@@ -306,6 +309,10 @@ TILE_CASES = {
     "L16-R8-48-byte-rows": (16, 8, 4, 0.9, 1024, 48, 64),
     "L8-R8-128-byte-rows": (8, 8, 8, 0.9, 1024, 128, 128),
     "L8-R8-256-byte-rows": (8, 8, 8, 0.9, 1024, 256, 256),
+    "L8-R8-40-byte-rows": (8, 8, 8, 0.9, 1024, 40, 64),
+    "L16-R8-120-byte-rows": (16, 8, 4, 0.9, 1024, 120, 128),
+    "L8-R4-50-byte-rows": (8, 4, 8, 0.9, 1024, 100, 64),
+    "L16-R16-200-byte-rows": (16, 16, 8, 0.9, 1024, 100, 256),
 }
 
 

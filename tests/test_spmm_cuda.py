@@ -20,8 +20,8 @@ KINDS = [(8, 8, True), (8, 8, False), (4, 4, True), (4, 4, False), (16, 8, True)
          (12, 4, True)]
 KIND_IDS = [f"L{a}{'' if s else 'u'}-R{b}" for a, b, s in KINDS]
 
-# (BH, M/V, K, N): K and N multiples of no tile; N = 100 has 16-byte-misaligned dense rows for
-# every width (the generic copy path); N = 272 is aligned with a partial last tile; N = 48 and
+# (BH, M/V, K, N): K and N multiples of no tile; N = 100 has dense rows not on 16 bytes for every
+# width (padded by the op); N = 272 is aligned with a partial last tile; N = 48 and
 # 128 take the gather kernel's small tiles, partly and wholly filled: the quarter tile (rows of at
 # most 64 bytes of 8- and 4-bit B), the narrow one (at most 128 bytes).
 SHAPES = [(1, 7, 333, 100), (3, 5, 97, 272), (1, 1, 40, 2), (3, 9, 700, 36), (2, 6, 300, 48), (1, 4, 130, 128)]
@@ -47,9 +47,9 @@ def spmm_kernel(request, monkeypatch):
     with one or two plane products, the wgmma GEMM's least tile with K split between two CTAs, here
     and there with one of them past K; else the mma.sync one) and, on Hopper, with the wgmma GEMM
     forced. Where the one forced does not apply (stacking at V 8, signed 16-bit A's at V 4, or on
-    8-bit B's narrow tile, merging at V 4 and 8 or where M is not a multiple of 8 or on dense rows
-    not on 16 bytes, the resident kernel on such rows or B's slice past shared memory, the dense
-    path past its K) the gather kernel runs."""
+    8-bit B's narrow tile, merging at V 4 and 8 or where M is not a multiple of 8, the resident
+    kernel where B's slice passes shared memory, the dense path past its K) the gather kernel runs.
+    Dense rows not on 16 bytes are padded first, and every way runs on them."""
     callspec = getattr(request.node, "callspec", None)
     b_bits = callspec.params.get("b_bits") if callspec else None
     a_bits = callspec.params.get("a_bits") if callspec else None
@@ -176,10 +176,11 @@ def test_merged_rows(kernels, spmm_kernel, a_bits, b_bits, a_signed):
 @pytest.mark.parametrize("v, n", [(8, 40), (2, 160), (4, 160)])
 @pytest.mark.parametrize("a_bits, b_bits, a_signed", KINDS, ids=KIND_IDS)
 def test_range_extremes(kernels, a_bits, b_bits, a_signed, v, n):
-    """All values at qmin or qmax: the largest products, the int32 overflow of long rows. N 40 takes
-    the generic copies, N 160 the fast ones, where the stacked way puts 16-bit A's planes into one
-    MMA at V 2 (an offset high plane and a column of ones that undoes it), and at V 4 unsigned
-    16-bit A's and 12-bit A's (balanced digits, the high ones at -8 and 8)."""
+    """All values at qmin or qmax: the largest products, the int32 overflow of long rows. N 40 has
+    rows not on 16 bytes (padded by the op), N 160 a partial last tile, where the stacked way puts
+    16-bit A's planes into one MMA at V 2 (an offset high plane and a column of ones that undoes
+    it), and at V 4 unsigned 16-bit A's and 12-bit A's (balanced digits, the high ones at -8 and
+    8)."""
     amin, amax = qrange(a_bits, a_signed)
     bmin, bmax = qrange(b_bits, True)
     bh, rows, k = 2, 3, 2000
@@ -254,11 +255,11 @@ def test_output_row_alignment(kernels, a_bits, b_bits, a_signed, n):
                               "L16u-R16-V4", "L16u-R4-V4"])
 def test_fold_boundary(kernels, a_bits, b_bits, a_signed, v, blocks, n):
     """Rows of 511, 512 and 513 blocks: single-plane results are read from the int32 accumulator
-    when no fold happened, from the folded int64 otherwise. N 24 takes the generic copies (rows
-    not on 16 bytes), N 32, 96 and 160 the fast ones: the gather kernel's quarter tile for 8- and
-    4-bit B, its narrow tile (which for 8-bit B keeps the folds in local memory) and the wide one
-    for 8- and 16-bit B; the stacked way puts 16-bit A's planes into one MMA on every tile but 8-bit
-    B's narrow one, and at V 4 unsigned 16-bit A's planes and 12-bit A's digits."""
+    when no fold happened, from the folded int64 otherwise. N 24 has rows not on 16 bytes (padded
+    by the op); N 32, 96 and 160 take the gather kernel's quarter tile for 8- and 4-bit B, its
+    narrow tile (which for 8-bit B keeps the folds in local memory) and the wide one for 8- and
+    16-bit B; the stacked way puts 16-bit A's planes into one MMA on every tile but 8-bit B's
+    narrow one, and at V 4 unsigned 16-bit A's planes and 12-bit A's digits."""
     k = 32 * blocks
     mask = torch.zeros(3, k, dtype=torch.bool)
     mask[1] = True
