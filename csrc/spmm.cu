@@ -865,7 +865,7 @@ __global__ void hold(uint64_t ns) {
 }
 
 // MAGICUBE_SPMM_KERNEL=tuned, as cuDNN's benchmark mode: the first call of a problem (its key:
-// device, precisions, shapes, V, BH, stored slots, longest row, row bytes, output type)
+// device, precisions, shapes, V, BH, stored slots, longest row, output type)
 // times each of the ways `candidates()` lists by `run` and remembers the fastest, which later calls
 // run without timing; every way gives the same bits. Each way is called once (attributes,
 // workspace), then timed twice over five back-to-back calls queued behind `hold` (CUDA events on
@@ -873,7 +873,7 @@ __global__ void hold(uint64_t ns) {
 // launch path, longest for the dense path's launches and workspace, and the choice took up to 1.5x
 // the rules' time in small and middle cells (H200). Inside a CUDA graph capture nothing can be
 // timed: a problem not tuned yet takes the automatic choice there, unremembered.
-using TuneKey = std::array<int64_t, 13>;
+using TuneKey = std::array<int64_t, 12>;
 
 template <class Candidates, class Run>
 Choice tuned_choice(const TuneKey& key, cudaStream_t stream, Candidates&& candidates, Run&& run) {
@@ -910,14 +910,19 @@ Choice tuned_choice(const TuneKey& key, cudaStream_t stream, Candidates&& candid
 }
 
 // B's rows copied into rows of row_words 4-byte words, zeros past row_bytes: a word a thread, kPadRows
-// rows a CTA. Launched overlapped, and it lets the next kernel launch at its start; where that is
-// the resident kernel, whose grid is sized to one wave, part of the grid then waited beside the
-// copy's CTAs and the call took up to 2.3x the time of aligned rows of the padded width (L8-R8, M =
-// K 3584, V 8, sparsity 0.6: 29.9 us against 13.2; kernel_checks.md, eighty-seventh round).
+// rows a CTA. Launched overlapped, it waits for B's writer and lets the next kernel launch at its
+// start (`early`) only where its CTAs take at most a quarter of the SMs. Beside a larger copy the
+// gather kernel, forced, took up to 2x the time it took launched at the copy's exit (1.19x on the
+// geometric mean; the resident kernel 0.97x), likely as its first CTAs, the longest rows, crowd onto
+// the SMs the copy left free; the automatic choice took up to 2.3x the time of aligned rows of the
+// padded width (L8-R8, M = K 3584, V 8, sparsity 0.6: 29.8 us against 13.1, 14.7 at the copy's exit).
+// Beside a smaller copy the early launch hides part of the launch: 5 % of the time at M = K 256-640
+// (kernel_checks.md, eighty-eighth round).
 constexpr int kPadRows = 32;
-__global__ void pad_rows_kernel(const uint8_t* b, uint32_t* out, int64_t rows, int row_bytes, int row_words) {
+__global__ void pad_rows_kernel(const uint8_t* b, uint32_t* out, int64_t rows, int row_bytes, int row_words,
+                                bool early) {
   magicube::await_inputs();
-  magicube::allow_next_launch();
+  if (early) magicube::allow_next_launch();
   const int64_t row0 = int64_t{blockIdx.x} * kPadRows;
   const int words = static_cast<int>(std::min<int64_t>(kPadRows, rows - row0)) * row_words;
   for (int w = threadIdx.x; w < words; w += blockDim.x) {
@@ -948,10 +953,12 @@ at::Tensor padded_rows(const at::Tensor& b, cudaStream_t stream) {
   at::Tensor out = at::empty({b.size(0), b.size(1), padded_bytes / b.element_size()}, b.options());
   const int64_t rows = b.size(0) * b.size(1), ctas = (rows + kPadRows - 1) / kPadRows;
   if (rows == 0) return out;
-  MAGICUBE_CHECK(ctas <= INT32_MAX && padded_bytes * kPadRows / 4 <= INT32_MAX, "spmm: b too large");
+  MAGICUBE_CHECK(ctas <= INT32_MAX && padded_bytes * kPadRows / 4 <= INT32_MAX, "spmm: b of ", rows,
+                 " rows (BH x K) of ", row_bytes, " bytes is too large to pad to 16-byte rows");
+  const bool early = 4 * ctas <= at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   magicube::launch_overlapped(pad_rows_kernel, dim3(static_cast<unsigned>(ctas)), dim3(256), 0, stream,
                               static_cast<const uint8_t*>(b.data_ptr()), static_cast<uint32_t*>(out.data_ptr()), rows,
-                              static_cast<int>(row_bytes), static_cast<int>(padded_bytes / 4));
+                              static_cast<int>(row_bytes), static_cast<int>(padded_bytes / 4), early);
   return out;
 }
 
@@ -1108,7 +1115,7 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
       if (d.applies() && d.fits(bh)) ways.push_back(Choice::kDense);
       return ways;
     };
-    const TuneKey key{b.get_device(), a_bits, a_signed, b_bits, m, n, k, v, bh, nnz_pad, longest_row, row_bytes,
+    const TuneKey key{b.get_device(), a_bits, a_signed, b_bits, m, n, k, v, bh, nnz_pad, longest_row,
                       p.out_int64};
     choice = tuned_choice(key, stream, candidates, run);
   }
