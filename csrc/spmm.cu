@@ -279,6 +279,22 @@ std::pair<int64_t, int64_t> resident_groups(int64_t smem, int64_t slices, int64_
   return {groups, (vrows + groups * WARPS - 1) / (groups * WARPS)};
 }
 
+// The resident kernel's estimated time (us), which the dense path's is weighed against
+// (against_resident): 3.45, plus 12.4 per MB of B's slices that the CTAs of an SM load, plus per
+// thousand columns of A that a warp runs (its vector rows x a vector row's padded columns on the
+// average) 5.55 (L8-R8), 6.35 (12- and 16-bit A over 8-bit B), 7.65 (L4-R4), 7.85 (L8-R4) or 10.45
+// (12- and 16-bit A over 4-bit B): a warp's chain of columns sets the time, not the bytes gathered
+// (with those in its place, 0.58-1.33x the measured time, 5th-95th percentile). Fitted on an H200
+// on rows of B of at most 64 bytes with every way forced (2350 cells: L8-R8 and L16-R8 at N 16-64,
+// L8-R4, L4-R4 and L16-R4 at N 32-128; M = K 1024-4096, V 2 / 4 / 8, sparsity 0.5-0.9, BH 1, 4 and
+// 16): 0.86-1.09x the measured time (5th-95th percentile), and 0.90-1.07x on 1620 cells it had not
+// seen (M = K 1536-3584, sparsity 0.55-0.85, BH 1, 2 and 8; kernel_checks.md, eighty-ninth round).
+template <int AB, int BB>
+double resident_us(double load_mb, double warp_kcolumns) {
+  constexpr double per_kcolumn = BB == 8 ? (AB == 16 ? 6.35 : 5.55) : AB == 16 ? 10.45 : AB == 8 ? 7.85 : 7.65;
+  return 3.45 + 12.4 * load_mb + per_kcolumn * warp_kcolumns;
+}
+
 // The resident-B kernel, where it applies: 8- or 4-bit B whose rows take 16-byte copies and a
 // 32-byte slice of all of B's rows fitting one CTA's shared memory. By default it runs on rows of
 // up to one of the gather kernel's narrow tiles (128 bytes), or two of 4-bit B (which that kernel
@@ -366,10 +382,12 @@ std::pair<int64_t, int64_t> resident_groups(int64_t smem, int64_t slices, int64_
 // eighty-sixth round).
 // Wider rows of 8-bit B take the gather kernel's wide tile at L2 bandwidth, and the resident
 // kernel's shared-memory gathers lose to bank conflicts (N 256: 8.6 against 14.5 us at the SpMM
-// target). Returns whether it ran.
+// target). Where it pays, it runs unless the dense path's estimate (dense_us, weighed by
+// against_resident; infinite where the dense path does not pay) is under its own. Returns
+// whether it ran.
 template <int AB, bool AS, int BB>
 bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream,
-                     Choice choice) {
+                     Choice choice, double dense_us) {
   namespace sd = magicube::spmm_detail;
   if (choice == Choice::kGather || choice == Choice::kStacked || choice == Choice::kMerged || forces_dense(choice))
     return false;
@@ -385,8 +403,8 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   const auto [wide_groups, wide_rows] = resident_groups<wide, 16>(smem, slices, vrows, bh);
   const auto [small_groups, small_rows] = resident_groups<small, 4>(smem, slices, vrows, bh);
   const bool split = small_rows < wide_rows;
-  // The vector rows each warp runs, and the warps with rows an SM.
-  const int64_t rows = split ? small_rows : wide_rows;
+  // The CTAs a (slice, bh), the vector rows each warp runs, and the warps with rows an SM.
+  const int64_t groups = split ? small_groups : wide_groups, rows = split ? small_rows : wide_rows;
   const int64_t busy_warps = slices * bh * ((vrows + rows - 1) / rows) / props->multiProcessorCount;
   // The gather kernel's bytes per SM and unit of V (each gathered row feeds V output rows), and
   // where the resident kernel starts to pay, by the share of the tile that a row fills: the narrow
@@ -431,10 +449,12 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   // there the same rule took up to 1.34x (kernel_checks.md, sixty-third round).
   const bool gather_wins = BB == 8 && bh == 1 && rb == tile;
   const bool pays = narrow && !gather_wins && gathers >= pays_from;
-  if (choice == Choice::kAuto && !pays) return false;
+  // Where the dense path pays too, the faster of the two by their estimates (resident_us).
+  const double load_mb = 1e-6 * bh * slices * groups * p.k * sd::kResidentSliceBytes / props->multiProcessorCount;
+  const double warp_kcolumns = 1e-3 * rows * nnz_pad / vrows;
+  if (choice == Choice::kAuto && (!pays || dense_us < resident_us<AB, BB>(load_mb, warp_kcolumns))) return false;
   MAGICUBE_CHECK(slices <= 65535, "spmm: N too large");
-  const dim3 grid(static_cast<unsigned>(split ? small_groups : wide_groups), static_cast<unsigned>(slices),
-                  static_cast<unsigned>(bh));
+  const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>(slices), static_cast<unsigned>(bh));
   if (split) magicube::launch_overlapped(small, grid, dim3(32 * 4), static_cast<size_t>(smem), stream, p);
   else magicube::launch_overlapped(wide, grid, dim3(32 * 16), static_cast<size_t>(smem), stream, p);
   return true;
@@ -531,6 +551,12 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
   return d;
 }
 
+// The estimated times (us) of the dense path and of the gather kernel (estimates).
+struct Estimates {
+  double dense_us;  // infinite where A's planes do not fit
+  double gather_us;
+};
+
 // Whether the dense path is the faster one, by estimated times (us) of both ways, fitted on an H200
 // over the bench_spmm sweep's cells (M = K 512-4096, N 128-512, V 2 / 4 / 8, sparsity 0.5-0.95, the
 // seven pairs, BH 1, every way forced; eval/results/kernel_checks.md, thirty-first to thirty-third
@@ -571,11 +597,14 @@ DenseShape dense_shape(int64_t m, int64_t n, int64_t k, int64_t a_bits, bool a_s
 // 4-bit B it lost at first (1.002-1.004x, BH 4 1.007-1.010x), until 4-bit B's expansion ran
 // 0.86-0.88x the time (57c216d): since, 0.992-0.997x by pair (0.69-1.07x by cell), BH 4
 // 0.989-1.000x (0.63-1.17x; N 64-512, fifty-fifth round).
-// Returns the dense estimate's share of the gather estimate (the dense path pays under 1 once
-// batched_dense weighs it), infinite where A's planes do not fit.
-double dense_share(const DenseShape& d, const Params& p, int64_t b_bits, int64_t bh, int64_t nnz_pad) {
+// Returns both estimates: the dense path pays where its own, weighed by batched_dense, is under the
+// gather kernel's.
+Estimates estimates(const DenseShape& d, const Params& p, int64_t b_bits, int64_t bh, int64_t nnz_pad) {
   constexpr double kMega = 1e-6;
-  if (!d.fits(bh)) return std::numeric_limits<double>::infinity();
+  const double rate = (p.row_bytes <= 64 ? 4.3 : p.row_bytes <= 128 ? 5.3 : p.row_bytes <= 256 ? 6.5 : 8.0) *
+                      (b_bits == 4 ? 0.85 : 1.0);
+  const double gather_us = 3.5 + bh * nnz_pad * p.row_bytes * kMega / rate;
+  if (!d.fits(bh)) return {std::numeric_limits<double>::infinity(), gather_us};
   const double a_mb = 1.0 * d.a_planes * d.m_pad * d.k_pad * kMega;
   const double product_gop = 2e-9 * d.m_pad * d.n_pad * d.k_pad;
   const int64_t products = d.a_planes * d.b_planes;
@@ -588,11 +617,8 @@ double dense_share(const DenseShape& d, const Params& p, int64_t b_bits, int64_t
   const double values_m = 1.0 * nnz_pad * p.v * kMega;
   const double dense_us = 10.2 + (d.cublas() ? 2.0 * (bh - 1) : 0.0) +
                           bh * (0.35 * a_mb + per_gop * product_gop + 1.58 * values_m);
-  const double rate = (p.row_bytes <= 64 ? 4.3 : p.row_bytes <= 128 ? 5.3 : p.row_bytes <= 256 ? 6.5 : 8.0) *
-                      (b_bits == 4 ? 0.85 : 1.0);
-  const double gather_us = 3.5 + bh * nnz_pad * p.row_bytes * kMega / rate;
   const double wgmma_scale = d.gemm != Gemm::kMma ? 0.8 : 1.0;
-  return wgmma_scale * dense_us / gather_us;
+  return {wgmma_scale * dense_us, gather_us};
 }
 
 // One launch expands A's and B's planes (spmm_dense.cuh: expand_kernel), G vector rows a CTA;
@@ -713,25 +739,32 @@ void gemm(const magicube::spmm_dense::GemmParams& gp, int64_t bh, Gemm which, cu
   launch_gemm<T, dn::gemm_kernel<AB, AS, BB, T>>(gp, bh, stream);
 }
 
-// Batched, the dense path runs over the estimate that BH 1 fitted (dense_share): at BH 8 it took
+// Batched, the dense path runs over the estimate that BH 1 fitted (estimates): at BH 8 it took
 // 0.98-1.08x the estimate by pair, at BH 16 1.00-1.40x, against 0.79-0.99x at BH 1 and 4, while the
 // other ways kept to theirs (M = K 512-2048, N 128-512, V 2 / 4 / 8, sparsity 0.5-0.95, every way
-// forced; H200). So against the gather estimate it counts this much more; not against the resident
-// kernel (kDenseByFar): counted there too, it moved rows of 64 bytes from the dense path to the
-// resident kernel, and 9 such cells of 1080 (BH 8-32) took 1.07-1.42x the time, one 0.91x
-// (fifty-seventh round).
+// forced; H200). So it counts this much more against the gather estimate, and against the
+// resident kernel's (against_resident).
 double batched_dense(int64_t bh) { return bh >= 16 ? 1.3 : bh >= 8 ? 1.15 : 1.0; }
 
-// The dense path's operands, where it runs; by_far: its estimate under kDenseByFar of the gather's.
+// The dense path's operands, where it runs, and its estimate (us; 0 where it is forced).
 struct Dense {
   DenseShape shape;
   at::Tensor out;
-  bool by_far;
+  double us;
 };
 
-// Where the dense estimate is under this share of the gather estimate, the dense path runs before
-// the resident-B kernel on narrow rows too (launch_integer).
-constexpr double kDenseByFar = 0.6;
+// The dense estimate as weighed against the resident kernel's (resident_us): at 0.8 of itself, 0.96
+// with 12- and 16-bit A, and by batched_dense. On rows of at most 64 bytes where both paid (the
+// cells of resident_us) the dense path took 0.78x its estimate at BH 1 and 0.84-1.04x at BH 2-16,
+// 1.02x with 12- and 16-bit A against 0.83-0.84x with narrower A. By the two estimates the choice
+// between the two took 1.009x the faster one's time on the geometric mean over those 927 cells
+// (1.058x before: the dense path first where its estimate was under 0.6 of the gather kernel's),
+// 1.007x over the 424 that the fit had not seen (1.080x before; 1.018x unweighed by BH)
+// (kernel_checks.md, eighty-ninth round).
+template <int AB>
+double against_resident(double dense_us, int64_t bh) {
+  return 0.8 * (AB == 16 ? 1.2 : 1.0) * batched_dense(bh) * dense_us;
+}
 
 // A and B expanded to byte planes and multiplied: one signed plane each by cuBLAS's int8 GEMM
 // (at::_int_mm, one batch x head at a time) and a pass that stores its products, more planes by
@@ -808,16 +841,15 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
 
 // An integer pair: the dense path where `dense` says so, else the merged rows (launch_merged) or
 // the resident-B kernel where they apply and pay, else the gather kernel. On rows of at most half a
-// narrow tile the resident kernel comes first where it pays: the dense model weighs the dense path
-// against the gather kernel only, and there the resident kernel beat both (N 32 and 64, both chips:
-// 1.1-1.9x faster than the dense path in the 10 cells a chip where the model took it; simulated
-// over those 864 cells, with the eighth-tile threshold, the whole choice took 0.4 % more time than
-// the fastest way against 1.8-2.0 %). Not where the dense estimate is under 0.6 of the gather's
-// (kDenseByFar): of the cells of such rows measured with both ways forced (L8-R8, L16-R8, L8-R4,
-// L16-R4 at N 32-128, V 2 / 4 / 8, sparsity 0.5-0.98; M = K 1024-4096 at BH 1, 1024 and 2048 at BH
-// 4), the 10 there (V 2, sparsity 0.5 and 0.7, N 64 of 8-bit B and 128 of 4-bit B, M = K = 4096 at
-// BH 1 and 2048 at BH 4) took 0.53-0.93x the resident kernel's time on the dense path, while two of
-// the next four (0.63-0.66; 16-bit A) took 1.18-1.25x (fifty-fourth round). A forced dense path
+// narrow tile the resident kernel is asked first where the dense path pays too, and the faster of
+// the two by their estimates runs (launch_resident): the dense model weighs the dense path against
+// the gather kernel only, and there the resident kernel beat both in most cells (N 32 and 64, both
+// chips: 1.1-1.9x faster than the dense path in the 10 cells a chip where the model took it).
+// Until the eighty-ninth round the dense path ran first only where its estimate was under 0.6 of
+// the gather kernel's: over 3970 cells of such rows (resident_us) that choice took 1.024x the
+// fastest way's time on the geometric mean, and by the two estimates 1.013x; the 251 cells that
+// moved took 0.84x the time (0.56-1.37x by cell; at V 2, sparsity 0.5-0.8, M = K 1024-4096, BH 1
+// and 4: 1.038x the fastest way's time before, 1.012x since). A forced dense path
 // never tries the resident kernel (launch_resident). The merged rows come before the resident
 // kernel where they pay: with 4-bit B wherever both paid they took 0.65-0.91x its time (the
 // fifty-third round's `--ways` sweep: V 2, M = K 2048 and 4096, N 512, sparsity 0.95 and 0.98), and
@@ -836,8 +868,8 @@ void launch_integer(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad,
   if (!dense && on_tile<AB, AS, BB>(p, merged)) return;
   if constexpr (BB == 8 || BB == 4) {
     const bool resident_first = 2 * p.row_bytes <= magicube::spmm_detail::kNarrowTileBytes;
-    if ((!dense || (resident_first && !dense->by_far)) &&
-        launch_resident<AB, AS, BB>(p, vrows, bh, nnz_pad, stream, choice))
+    const double dense_us = dense ? against_resident<AB>(dense->us, bh) : std::numeric_limits<double>::infinity();
+    if ((!dense || resident_first) && launch_resident<AB, AS, BB>(p, vrows, bh, nnz_pad, stream, choice, dense_us))
       return;
   }
   if (dense) return run_dense<AB, BB>(p, *dense, vrows, bh, AS, stream);
@@ -1084,10 +1116,10 @@ at::Tensor spmm_cuda(const at::Tensor& row_ptr, const at::Tensor& col_idx, const
     const DenseShape d = dense_shape(m, n, k, a_bits, a_signed, b_bits, bh, way == Choice::kDenseWgmma);
     std::optional<Dense> dense;
     if (d.applies() && forces_dense(way)) {
-      dense = Dense{d, out, true};
+      dense = Dense{d, out, 0.0};
     } else if (d.applies() && way == Choice::kAuto) {
-      const double share = dense_share(d, p, b_bits, bh, nnz_pad);
-      if (share * batched_dense(bh) < 1.0) dense = Dense{d, out, share < kDenseByFar};
+      const Estimates e = estimates(d, p, b_bits, bh, nnz_pad);
+      if (e.dense_us * batched_dense(bh) < e.gather_us) dense = Dense{d, out, e.dense_us};
     }
     if (a_bits == 8 && b_bits == 8) {
       launch_pair<8, 8>(p, vrows, bh, nnz_pad, stream, a_bits, a_signed, way, dense);

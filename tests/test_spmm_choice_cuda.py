@@ -1,4 +1,4 @@
-"""Which way the integer SpMM runs (csrc/spmm.cu: dense_share, launch_resident, launch_integer), read
+"""Which way the integer SpMM runs (csrc/spmm.cu: estimates, launch_resident, launch_integer), read
 from the names of the kernels that a profiled call launches: the ways give equal answers, so the
 other tests cannot tell them apart. The automatic choice's cells lie far from its thresholds (by
 its own estimates at least 1.2x between the ways it weighs, mostly 2-20x), so they hold on any
@@ -33,6 +33,12 @@ short_rows_grid = pytest.mark.skipif(not 0 < sms <= 146, reason="the case's 256 
 def on_resident_grid(shape, bh, way, case_id):
     """A batched case whose resident grid holds on GPUs of 108-143 SMs only (resident_grid)."""
     return pytest.param(shape, bh, way, id=case_id, marks=resident_grid)
+
+
+def resident_or_dense(shape, bh, way, case_id):
+    """A case whose resident kernel's estimate is weighed against the dense path's (launch_resident):
+    it holds where the resident grid is that of 108-143 SMs and the dense estimate our wgmma GEMM's."""
+    return pytest.param(shape, bh, way, id=case_id, marks=[resident_grid, wgmma_estimate])
 
 
 # A way, by a kernel that only it launches (the dense path's GEMM is cuBLAS's or one of ours).
@@ -106,14 +112,6 @@ AUTO_CASES = {
     "narrow-resident": (8, 8, 2, 0.9, 2048, 32, "resident"),
     # Rows of 24 bytes, padded to 32 (spmm_cuda): the same.
     "unaligned-narrow-resident": (8, 8, 2, 0.9, 2048, 24, "resident"),
-    # Rows of 64 bytes where the dense path pays against the gather kernel (its estimate 0.65 of
-    # the gather's on Hopper, 0.83 elsewhere; at 4-bit B and sparsity 0.6, 0.67 and 0.86): the
-    # resident kernel comes first (launch_integer).
-    "resident-before-dense": (8, 8, 2, 0.5, 2048, 64, "resident"),
-    "resident-before-dense-4-bit-b": (8, 4, 2, 0.6, 2048, 128, "resident"),
-    # The same rows where the dense estimate is under 0.6 of the gather estimate (0.38 on Hopper,
-    # 0.49 elsewhere): the dense path comes first.
-    "dense-by-far-before-resident": (8, 8, 2, 0.5, 4096, 64, "dense"),
     # 8-bit B's rows of a whole narrow tile at BH 1 take the gather kernel, whatever the count (here
     # 101 KB against 96; forced on an H200, the resident kernel took 13.0 us, the gather kernel 10.0).
     "whole-tile-8-bit-b-gather": (8, 8, 4, 0.9, 4096, 128, "gather"),
@@ -132,7 +130,7 @@ def test_automatic_choice(kernels, monkeypatch, case):
 @wgmma_estimate
 def test_automatic_choice_4_bit_b_dense(kernels, monkeypatch):
     """4-bit B's rows count at 0.85 of the gather estimate's rate, and the dense estimate at 0.8 on
-    our wgmma GEMM (dense_share): L16-R4 at V 2, sparsity 0.7, M = K = 2048, N 256 takes the dense
+    our wgmma GEMM (estimates): L16-R4 at V 2, sparsity 0.7, M = K = 2048, N 256 takes the dense
     path, by its estimates 15.7 us against 22.1 (with neither, 19.6 against 19.3: the resident
     kernel, which took 1.5x the dense path's time in the sweep's cell of this shape)."""
     monkeypatch.delenv("MAGICUBE_SPMM_KERNEL", raising=False)
@@ -142,10 +140,11 @@ def test_automatic_choice_4_bit_b_dense(kernels, monkeypatch):
 @wgmma_estimate
 def test_automatic_choice_split_gemm_dense(kernels, monkeypatch):
     """Where none of our wgmma GEMM's tiles fills the SMs, its least tile with K split in two
-    counts at the least tile's constants (dense_share): L8-R4 at V 2, sparsity 0.5, M = K = 2048,
-    N 128 (rows of 64 bytes) takes the dense path before the resident kernel, its estimate 0.59 of
-    the gather's (with cuBLAS's GEMM counted, as before the split, 0.76: the resident kernel, which
-    took 1.3x the dense path's time there; H200, kernel_checks.md, sixty-second round)."""
+    counts at the least tile's constants (estimates): L8-R4 at V 2, sparsity 0.5, M = K = 2048,
+    N 128 (rows of 64 bytes) takes the dense path before the resident kernel, its estimate as
+    weighed against the resident kernel's (launch_resident) 10.3 us against 12.3 (with cuBLAS's GEMM
+    counted, as before the split, about 1.3x as much: the resident kernel, which took 1.3x the dense
+    path's time there; H200, kernel_checks.md, sixty-second and eighty-ninth rounds)."""
     monkeypatch.delenv("MAGICUBE_SPMM_KERNEL", raising=False)
     assert _ways_run(8, 4, 2, 0.5, 2048, 128) == {"dense"}
 
@@ -153,7 +152,7 @@ def test_automatic_choice_split_gemm_dense(kernels, monkeypatch):
 @wgmma_estimate
 @pytest.mark.parametrize("shape", [(8, 8, 2, 0.8, 1024, 512), (8, 4, 2, 0.9, 2048, 512)], ids=["L8-R8", "L8-R4"])
 def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
-    """The dense path's estimate counts at 0.8 on our wgmma GEMM (dense_share). L8-R8 at V 2,
+    """The dense path's estimate counts at 0.8 on our wgmma GEMM (estimates). L8-R8 at V 2,
     sparsity 0.8, M = K = 1024, N 512 takes the dense path, by its estimates 9.6 us against 10.8
     (unscaled, 12.0: the gather kernel, which took 1.38x the dense path's time in the sweep's cell
     of this shape); L8-R4 at V 2, sparsity 0.9, M = K = 2048, N 512 too, by 12.5 against 14.1
@@ -200,6 +199,13 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
 # 54.3 KB against 20, 1024 CTAs leaving 100 in a second wave of 924 (on 108-143 SMs 50-66 KB, at
 # most 268 of 756-1001). L4-R4 at sparsity 0.9, M = K = 1024 (7 busy warps an SM): 15.5 KB against
 # 80.
+# Rows of at most 64 bytes where the dense path pays against the gather kernel take the resident
+# kernel where it pays and its estimate is under the dense path's as weighed against it
+# (launch_resident; H200, us). L16-R8 at V 2, sparsity 0.6, M = K = 2048, N 64: the resident kernel,
+# 9.5 against 13.0; L16-R4 there, BH 4: 21.7 against 27.9. L8-R8 at sparsity 0.5, M = K = 4096, N
+# 64: the dense path, 20.1 against 27.8; L16-R4 at sparsity 0.6, M = K = 2048, N 96, BH 4: 29.3
+# against 39.0 (the dense estimate 0.63 of the gather's, where before the dense path ran first
+# only under 0.6: the resident kernel, which took 1.33x the dense path's time in a forced run).
 BATCHED_CASES = [
     pytest.param((8, 8, 4, 0.9, 2048, 128), 16, "resident", id="dense-factor-resident", marks=wgmma_estimate),
     pytest.param((8, 8, 2, 0.5, 2048, 256), 16, "dense", id="dense-factor-dense", marks=wgmma_estimate),
@@ -224,6 +230,10 @@ BATCHED_CASES = [
     on_resident_grid((16, 4, 2, 0.85, 1408, 128), 1, "gather", "16-bit-a-64-byte-rows-busy-warps-one-wave-bh1"),
     on_resident_grid((16, 4, 2, 0.9, 2048, 128), 1, "resident", "16-bit-a-64-byte-rows-busy-warps-tail-bh1"),
     on_resident_grid((4, 4, 2, 0.9, 1024, 128), 1, "gather", "4-bit-b-64-byte-rows-few-warps-bh1"),
+    resident_or_dense((16, 8, 2, 0.6, 2048, 64), 1, "resident", "resident-before-dense-bh1"),
+    resident_or_dense((16, 4, 2, 0.6, 2048, 64), 4, "resident", "resident-before-dense-4-bit-b-bh4"),
+    resident_or_dense((8, 8, 2, 0.5, 4096, 64), 1, "dense", "dense-before-resident-bh1"),
+    resident_or_dense((16, 4, 2, 0.6, 2048, 96), 4, "dense", "dense-before-resident-4-bit-b-bh4"),
 ]
 
 
