@@ -282,8 +282,8 @@ std::pair<int64_t, int64_t> resident_groups(int64_t smem, int64_t slices, int64_
 // The resident kernel's estimated time (us), which the dense path's is weighed against
 // (against_resident): 3.45, plus 12.4 per MB of B's slices that the CTAs of an SM load, plus per
 // thousand columns of A that a warp runs (its vector rows x a vector row's padded columns on the
-// average) 5.55 (L8-R8), 6.35 (12- and 16-bit A over 8-bit B), 7.65 (L4-R4), 7.85 (L8-R4) or 10.45
-// (12- and 16-bit A over 4-bit B): a warp's chain of columns sets the time, not the bytes gathered
+// average) 5.55 (L8-R8), 6.35 (L16-R8), 7.65 (L4-R4), 7.85 (L8-R4) or 10.45 (L16-R4; 12-bit A runs
+// in the same containers): a warp's chain of columns sets the time, not the bytes gathered
 // (with those in its place, 0.58-1.33x the measured time, 5th-95th percentile). Fitted on an H200
 // on rows of B of at most 64 bytes with every way forced (2350 cells: L8-R8 and L16-R8 at N 16-64,
 // L8-R4, L4-R4 and L16-R4 at N 32-128; M = K 1024-4096, V 2 / 4 / 8, sparsity 0.5-0.9, BH 1, 4 and
@@ -756,7 +756,7 @@ struct Dense {
 // The dense estimate as weighed against the resident kernel's (resident_us): at 0.8 of itself, 0.96
 // with 12- and 16-bit A, and by batched_dense. On rows of at most 64 bytes where both paid (the
 // cells of resident_us) the dense path took 0.78x its estimate at BH 1 and 0.84-1.04x at BH 2-16,
-// 1.02x with 12- and 16-bit A against 0.83-0.84x with narrower A. By the two estimates the choice
+// 1.02x with 16-bit A against 0.83-0.84x with 4- and 8-bit A. By the two estimates the choice
 // between the two took 1.009x the faster one's time on the geometric mean over those 927 cells
 // (1.058x before: the dense path first where its estimate was under 0.6 of the gather kernel's),
 // 1.007x over the 424 that the fit had not seen (1.080x before; 1.018x unweighed by BH)
