@@ -380,6 +380,19 @@ double resident_us(double load_mb, double warp_kcolumns) {
 // on 260 fresh cells (M = K 640-3584, N 32 and 64, sparsity 0.65-0.97, BH 1, 2 and 8) 1.010x against
 // 1.085x: 0.953x and 0.930x the time of the choice before, 0.70-1.10x by cell (kernel_checks.md,
 // eighty-sixth round).
+// Rows of 48 bytes (N 48 of 8-bit B, N 96 of 4-bit B, and rows padded to them) count from 8 KB with
+// 8-bit B and from 32 KB with 4-bit B and 4- or 8-bit A, not 24 and 80, where A's rows average
+// eight blocks or more (long_48): on shorter rows the resident kernel still loads B's whole slices
+// (resident_us) for few columns. On the eighty-ninth round's forced runs (910 cells of such rows:
+// L8-R8, L16-R8, L8-R4, L4-R4 and L16-R4, M = K 1024-4096, V 2 / 4 / 8, sparsity 0.5-0.9, BH 1, 2,
+// 4, 8 and 16) the choice took 1.007x the fastest way's time against 1.021x on the 370 cells the
+// counts were fitted on, and 1.007x against 1.023x on the 540 others. The counts alone, on 2592 fresh
+// cells (the six pairs with L12-R4, N 40 / 48 / 88 / 96, M and K 896-4608, sparsity 0.62-0.98, BH 1,
+// 3 and 8), moved 142 cells where A's rows average under eight blocks onto the resident kernel at
+// 1.13x their time (up to 1.58x; 139 of them at sparsity 0.91-0.98); with the bound the cells took
+// 0.995x the time of before, and 0.995x on 2592 others (M and K 1024-4096, sparsity 0.66-0.985, BH
+// 1, 2 and 6), where the 95 cells it moved took 0.87x (0.60-1.22x by cell). 12- and 16-bit A over
+// 4-bit B keep 80: there the lower count took 1.001-1.002x (kernel_checks.md, ninetieth round).
 // Wider rows of 8-bit B take the gather kernel's wide tile at L2 bandwidth, and the resident
 // kernel's shared-memory gathers lose to bank conflicts (N 256: 8.6 against 14.5 us at the SpMM
 // target). Where it pays, it runs unless the dense path's estimate (dense_us, weighed by
@@ -431,13 +444,17 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
                           : 2 * rb <= tile || (BB == 4 && p.v == 8 && rb <= tile) || quarter_at_v4 || quarter_split
                               ? std::min<int64_t>(bh, 4)
                               : 1;
+  // Rows of 48 bytes (three quarters of the quarter tile) where A's rows average eight blocks or more,
+  // but 4-bit B's under 12- and 16-bit A.
+  const bool long_48 = 4 * rb == 3 * quarter_tile && nnz_pad >= 8 * kSlots * vrows && (BB == 8 || AB <= 8);
   const int64_t pays_from = (quarter_counts ? (4 * rb <= quarter_tile   ? 10 << 10
                                                 : 2 * rb <= quarter_tile ? 20 << 10
+                                                : long_48                ? 32 << 10
                                                                          : 80 << 10)
                              : 8 * rb <= tile ? 6 << 10
                              : 4 * rb <= tile ? 12 << 10
                              : BB == 8 && rb == quarter_tile ? 60 << 10
-                             : 2 * rb <= tile ? 24 << 10
+                             : 2 * rb <= tile ? (long_48 ? 8 << 10 : 24 << 10)
                              : rb <= tile     ? 96 << 10
                                               : 48 << 10) /
                             batched;

@@ -188,17 +188,26 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
 # (rows of 128 bytes), M = K = 768, BH 24: 52.4 KB, still against 96. So do 4-bit B's rows of up to
 # 112 bytes where A's rows average four blocks or more: L8-R4 at N 224, sparsity 0.8, M = K = 704
 # (five blocks a row), BH 12: 70.0 KB against 24 (six rows a warp in 16-warp CTAs, four in 4-warp).
-# 4-bit B's rows of at most 64 bytes count against the quarter tile: rows of 33-64 bytes from 80 KB,
-# a quarter of it at any BH where the resident grid keeps ten warps an SM or more in rows, with
-# 4-bit A, and with 12- and 16-bit A where the gather kernel's grid ends in a wave under half full
-# (7 CTAs an SM), not with 8-bit A. L4-R4 at V 2, N 128, sparsity 0.85, M = K = 1536 (768 vector
-# rows, a row a warp, 11 busy warps an SM on 132 SMs), BH 1: 46.5 KB against 20 (L8-R4 there against
-# 80); at sparsity 0.96: 11.6 KB, under 20 (14.2 on 108 SMs). L16-R4 at sparsity 0.85, M = K = 1408:
-# 37.3 KB against 80, its gather grid of 704 CTAs one wave (before, against 20: the resident kernel,
-# which took 1.13x the gather kernel's time in a cell beside it); at sparsity 0.9, M = K = 2048:
-# 54.3 KB against 20, 1024 CTAs leaving 100 in a second wave of 924 (on 108-143 SMs 50-66 KB, at
-# most 268 of 756-1001). L4-R4 at sparsity 0.9, M = K = 1024 (7 busy warps an SM): 15.5 KB against
-# 80.
+# 4-bit B's rows of at most 64 bytes count against the quarter tile: rows of 48 (below) and 64 bytes
+# from 80 KB, a quarter of it at any BH where the resident grid keeps ten warps an SM or more in
+# rows, with 4-bit A, and with 12- and 16-bit A where the gather kernel's grid ends in a wave under
+# half full (7 CTAs an SM), not with 8-bit A. L4-R4 at V 2, N 128, sparsity 0.85, M = K = 1536 (768
+# vector rows, a row a warp, 11 busy warps an SM on 132 SMs), BH 1: 46.5 KB against 20 (L8-R4 there
+# against 80); at sparsity 0.96: 11.6 KB, under 20 (14.2 on 108 SMs). L16-R4 at sparsity 0.85, M = K
+# = 1408: 37.3 KB against 80, its gather grid of 704 CTAs one wave (before, against 20: the resident
+# kernel, which took 1.13x the gather kernel's time in a cell beside it); at sparsity 0.9, M = K =
+# 2048: 54.3 KB against 20, 1024 CTAs leaving 100 in a second wave of 924 (on 108-143 SMs 50-66 KB,
+# at most 268 of 756-1001). L4-R4 at sparsity 0.9, M = K = 1024 (7 busy warps an SM): 15.5 KB
+# against 80.
+# Rows of 48 bytes where A's rows average eight blocks or more count from 8 KB (8-bit B) and 32 KB
+# (4-bit B under 4- and 8-bit A), not 24 and 80. L8-R8 at V 8, sparsity 0.6, M = K = 3072, N 48 (39
+# blocks a row), BH 1: 21.3 KB (19.6-26.0 on 108-143 SMs), the resident kernel (before, the gather
+# kernel, 1.61x its time in a forced run); at V 4, sparsity 0.98, M = K = 4608 (three blocks a row):
+# 9.8 KB, still against 24 (the gather kernel, which took 0.63x the resident kernel's time in a
+# forced run). L8-R4 at V 8, sparsity 0.8, M = K = 2048, N 96 (13 blocks a row), BH 4: 18.9 KB
+# against 8, the resident kernel (before, against 20: the gather kernel, 1.30x its time forced);
+# L8-R4 at V 4, sparsity 0.98, M = K = 896 (one block a row), BH 8: 5.1 KB, over the 4 of long rows
+# and under the 10 of short ones (the gather kernel, 0.73x the resident kernel's time forced).
 # Rows of at most 64 bytes where the dense path pays against the gather kernel take the resident
 # kernel where it pays and its estimate is under the dense path's as weighed against it
 # (launch_resident; H200, us). L16-R8 at V 2, sparsity 0.6, M = K = 2048, N 64: the resident kernel,
@@ -230,6 +239,10 @@ BATCHED_CASES = [
     on_resident_grid((16, 4, 2, 0.85, 1408, 128), 1, "gather", "16-bit-a-64-byte-rows-busy-warps-one-wave-bh1"),
     on_resident_grid((16, 4, 2, 0.9, 2048, 128), 1, "resident", "16-bit-a-64-byte-rows-busy-warps-tail-bh1"),
     on_resident_grid((4, 4, 2, 0.9, 1024, 128), 1, "gather", "4-bit-b-64-byte-rows-few-warps-bh1"),
+    pytest.param((8, 8, 8, 0.6, 3072, 48), 1, "resident", id="8-bit-b-48-byte-long-rows-bh1"),
+    pytest.param((8, 8, 4, 0.98, 4608, 48), 1, "gather", id="8-bit-b-48-byte-short-rows-bh1"),
+    pytest.param((8, 4, 8, 0.8, 2048, 96), 4, "resident", id="4-bit-b-48-byte-long-rows-bh4"),
+    pytest.param((8, 4, 4, 0.98, 896, 96), 8, "gather", id="4-bit-b-48-byte-short-rows-bh8"),
     resident_or_dense((16, 8, 2, 0.6, 2048, 64), 1, "resident", "resident-before-dense-bh1"),
     resident_or_dense((16, 4, 2, 0.6, 2048, 64), 4, "resident", "resident-before-dense-4-bit-b-bh4"),
     resident_or_dense((8, 8, 2, 0.5, 4096, 64), 1, "dense", "dense-before-resident-bh1"),
