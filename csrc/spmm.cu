@@ -373,13 +373,13 @@ double resident_us(double load_mb, double warp_kcolumns) {
 // (kernel_checks.md, eighty-fifth round).
 // 8-bit B's rows of at most 64 bytes run on the quarter tile too, and those of 64 bytes, where its
 // gather kernel took 0.85x the narrow tile's time (0.83x with 16-bit A), count from 60 KB; rows of
-// 16-48 bytes gained less (0.86-0.97x) and keep their counts. Fitted on an H200 with every way forced
-// and the choice of each count read back (L8-R8 and L16-R8, N 16-64, M = K 512-4096, V 2 / 4 / 8,
-// sparsity 0.5-0.98, BH 1, 4 and 16: 732 cells), the choice took 1.012x the fastest way's time
-// against 1.062x before the quarter tile (1.018x with the quarter tile and the narrow tile's count);
-// on 260 fresh cells (M = K 640-3584, N 32 and 64, sparsity 0.65-0.97, BH 1, 2 and 8) 1.010x against
-// 1.085x: 0.953x and 0.930x the time of the choice before, 0.70-1.10x by cell (kernel_checks.md,
-// eighty-sixth round).
+// 16-48 bytes gained less (0.86-0.97x) and kept their counts (48: below). Fitted on an H200 with
+// every way forced and the choice of each count read back (L8-R8 and L16-R8, N 16-64, M = K
+// 512-4096, V 2 / 4 / 8, sparsity 0.5-0.98, BH 1, 4 and 16: 732 cells), the choice took 1.012x the
+// fastest way's time against 1.062x before the quarter tile (1.018x with the quarter tile and the
+// narrow tile's count); on 260 fresh cells (M = K 640-3584, N 32 and 64, sparsity 0.65-0.97, BH 1,
+// 2 and 8) 1.010x against 1.085x: 0.953x and 0.930x the time of the choice before, 0.70-1.10x by
+// cell (kernel_checks.md, eighty-sixth round).
 // Rows of 48 bytes (N 48 of 8-bit B, N 96 of 4-bit B, and rows padded to them) count from 8 KB with
 // 8-bit B and from 32 KB with 4-bit B and 4- or 8-bit A, not 24 and 80, where A's rows average
 // eight blocks or more (long_48): on shorter rows the resident kernel still loads B's whole slices
