@@ -164,7 +164,7 @@ def plot(rows: list[dict], path: Path) -> None:
                 speedups.append(get.get("materialized", float("nan")) / get.get(backend, float("nan")))
             ax.bar([j + i * width for j in range(len(cases))], speedups, width, label=backend)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
-        ax.set_xticklabels([f"B{b} L{l}\nH{h} s{s}" for b, l, h, s in cases], fontsize=7)
+        ax.set_xticklabels([f"B{b} L{length}\nH{h} s{s}" for b, length, h, s in cases], fontsize=7)
         ax.axhline(1.0, color="k", lw=0.5)
         ax.set_title(f"{part}: speedup over materialized fp16")
     axes[0].legend(fontsize=7)

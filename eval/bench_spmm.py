@@ -325,7 +325,7 @@ def main(argv=None) -> int:
                         help="time the cells beside the sweep's grid instead (OFF_GRID), where no rule was fitted")
 
     args = kernel_bench_args("bench_spmm", __doc__, argv, quick="a small subset (the target shape included)",
-                             reps=15, reps_help="timed replays of %d back-to-back calls" % INNER, extra=kernel_arg)
+                             reps=15, reps_help=f"timed replays of {INNER} back-to-back calls", extra=kernel_arg)
     if args is None:
         return 2
     if args.quick and args.off_grid:

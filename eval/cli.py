@@ -27,7 +27,7 @@ def _cmd_data(args) -> int:
         t0 = time.time()
         print(f"generating ListOps {spec} into {out} ...", flush=True)
         paths = listops.write_splits(out, spec)
-        for split, p in paths.items():
+        for p in paths.values():
             print(f"  {p}  ({len(listops.read_tsv(p)[1])} examples)")
         print(f"done in {time.time() - t0:.1f} s")
         return 0

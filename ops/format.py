@@ -189,7 +189,7 @@ class SRBCRS:
 
     @classmethod
     def from_mask(cls, mask: VectorMask, stride: int = 32, shuffle: bool = False,
-                  bank_order: bool = True) -> "SRBCRS":
+                  bank_order: bool = True) -> SRBCRS:
         """The pattern of `mask`. Each vector row's kept columns go ascending, then permuted inside
         each 32-slot block into bank order (BANK_GROUP, _bank_order) unless bank_order=False;
         shuffle then applies INT4_SHUFFLE inside every group of 8 slots (the paper's int4 layout;
@@ -229,7 +229,7 @@ class SRBCRS:
     def device(self) -> torch.device:
         return self.col_idx.device
 
-    def to(self, device) -> "SRBCRS":
+    def to(self, device) -> SRBCRS:
         return SRBCRS(self.m, self.k, self.v, self.stride, self.row_ptr.to(device),
                       self.col_idx.to(device), self.row_order.to(device), self.shuffled)
 

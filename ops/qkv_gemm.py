@@ -77,7 +77,8 @@ if triton is not None:
                 sel = ((rn - c0) // D == i)[None, :]
                 s = tl.where(sel, si, s)
                 r = tl.where(sel, tl.math.div_rn(1.0, si), r)
-                fast = _markstein_ok(si) if i == 0 else fast & _markstein_ok(si)
+                # Unrolled at compile time: `fast` exists from i == 0 on (a linter cannot tell).
+                fast = _markstein_ok(si) if i == 0 else fast & _markstein_ok(si)  # noqa: F821
         else:
             s = tl.load(s_ptr + rn // D, mask=rn < 3 * E, other=1.0)[None, :]
             r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
