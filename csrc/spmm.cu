@@ -136,42 +136,22 @@ bool can_stack(int64_t a_bits, bool a_signed, int64_t v) {
   return a_bits >= 12 && (v == 2 || (v == 4 && (!a_signed || a_bits == 12)));
 }
 
-// The gather kernel on tile TB. 16-bit A at V 2 can stack its planes into one MMA (spmm_kernel.cuh),
-// except on 8-bit B's narrow tile, and does where its rows average two blocks or more and the grid
-// holds four CTAs an SM or more (with 16-bit B, rows of one block too where the two-MMA form's grid
-// takes more than one wave). H200, gather kernel, M = K 1024-4096, N 128-512, sparsity 0.7 / 0.9 /
-// 0.98, against two MMAs: L16-R4 and L12-R4 0.85-0.96x the time at M = K = 4096, L16-R16
-// 0.90-0.95x, L16-R8 0.92-0.94x (wide tile); rows of one block (M = K = 1024, sparsity 0.98)
-// 1.00-1.09x, and 8-bit B's narrow tile, whose fold sums two MMAs keep in local memory, 1.01-1.09x
-// at M = K 1024 and 4096. In the sweep, grids of fewer CTAs (M = K 512, and 1024 at N up to 256)
-// took up to 1.10x (kernel_checks.md, forty-sixth round). 16-bit B's two planes make four MMAs a
-// step of the two-MMA form, and there rows of one block gain too once its CTAs do not all fit one
-// wave: forced off the sweep's grid, L16-R16's at 5.8 CTAs an SM took 0.83-0.95x the time stacked
-// (11 cells), and on 120 fresh cells (BH 1-3, M = K 600-2300, N 112-288, sparsity 0.975-0.995) the
-// 31 the rule moved took 0.94x, 0.85-0.98x by cell, the others the same. A first draft that took
-// them from four CTAs an SM lost up to 1.05x in one wave (M = K = 1280, N 96 and 128; sixty-fifth
-// round). At V 4, 12-bit A (digits) and unsigned 16-bit A stack where the grid holds ten CTAs an SM
-// or more: there the fewer registers let more CTAs share an SM (12-bit A with 4-bit B: 80 against
-// 110, six CTAs, not four; unsigned A: 80 against 110 with 4-bit B, 96 against 124 with 8-bit, 78
-// against 96 with 16-bit), and L12-R4 took 0.85-0.98x the time (0.91x on the geometric mean of 89
-// cells; H200, gather kernel, BH 1-16, M = K 512-4096, N 128-512, sparsity 0.7-0.98, rows of one
-// block too), unsigned A 0.84-0.99x (0.90x over 117 cells of L16u-R8, -R4 and -R16, BH 1-16, M = K
-// 1024-4096, N 256 and 512, sparsity 0.7-0.98); on smaller grids, where each CTA's chain of
-// latencies counts, L12-R4 0.96-1.20x (1.07x under four CTAs an SM, 1.01x at four to eight, losing
-// most at sparsity 0.95-0.98; the whole sweep's cells at 7.8 took 0.93-0.97x) and unsigned A
-// 0.92-1.20x (1.06x under four, 1.00x at four to eight; kernel_checks.md, forty-ninth and fiftieth
-// rounds). They stack on smaller grids too where the stacked form's occupancy runs the grid in
-// fewer waves (12-bit A with 4-bit B from four to six CTAs an SM, one wave against two, and from
-// eight to ten, two against three). The cells of that data at four to eight were at 7.8, two waves
-// either way; off the sweep's grid, L12-R4 at 5.8 an SM took 0.76-0.87x the time stacked (15 cells,
-// M = K 1536 and 3072, N 96-384, sparsity 0.93-0.985), and on 432 fresh cells (L12-R4 and unsigned
-// L16-R4, -R8, -R16, BH 1-3, M = K 896-4864, 4.4-18 CTAs an SM, sparsity 0.9-0.99) the 208 that the
-// waves moved took 0.836x and 0.834x the time in two A/Bs, 0.73-1.01x by cell, the others 1.000x
-// and 1.004x (kernel_checks.md, sixty-fifth round). None stack by default on 4-bit B's quarter tile
-// (on_tile): there, forced, the stacked form took 1.07-1.22x the two-MMA form's time by A, V
-// and BH (H200, 12- and 16-bit A at V 2, 12-bit A at V 4, BH 1-16, M = K 512-4096, N 32-128, 786
-// cells; 0.91-1.36x by cell), and the 38 of those cells that the rule stacked took 1.12x
-// (kernel_checks.md, eighty-fourth round).
+// The gather kernel on tile TB. 12- and 16-bit A can stack their planes into one MMA (can_stack;
+// spmm_kernel.cuh): half the MMAs, at another register count, so the grid decides where it pays.
+// Not by default on the quarter tile (4-bit B's rows there, forced: 1.07-1.22x the two-MMA form's
+// time by A, V and BH; eighty-fourth round), nor on 8-bit B's narrow tile, whose fold sums two MMAs
+// keep in local memory (1.01-1.09x).
+// - At V 2 where rows average two blocks or more and the grid holds four CTAs an SM or more:
+//   0.85-0.96x the time at M = K = 4096 by pair; smaller grids and rows of one block up to 1.10x
+//   (forty-sixth round). With 16-bit B's four MMAs a step, rows of one block too where the two-MMA
+//   form's grid takes more than one wave (sixty-fifth round: the cells moved 0.94x the time; a draft
+//   from four CTAs an SM lost up to 1.05x in one wave).
+// - At V 4 (12-bit A as digits, unsigned 16-bit A) where the grid holds ten CTAs an SM or more, the
+//   fewer registers letting more CTAs share an SM (12-bit A with 4-bit B: 80 against 110, six CTAs,
+//   not four): L12-R4 0.91x the time over 89 cells, unsigned A 0.90x over 117; on smaller grids,
+//   where each CTA's chain of latencies counts, up to 1.20x (forty-ninth and fiftieth rounds). There
+//   too where the stacked form's occupancy runs the grid in fewer waves: the cells moved took 0.836x
+//   and 0.834x the time in two A/Bs over 432 fresh cells (sixty-fifth round).
 template <int AB, bool AS, int BB, int TB>
 void launch_gather(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice,
                    int64_t a_bits) {
@@ -195,32 +175,17 @@ void launch_gather(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, 
         return launch_tiles<AB, AS, BB, TB, 4>(p, vrows, bh, stream);
     }
   }
-  // The integer kinds take two blocks a step (spmm_kernel's PAIR_RING) where rows average two blocks
-  // or more, except 4-bit B under 4-bit A, and under 8-bit A on the terms below. H200, gather kernel
-  // forced, the two forms in one process, interleaved medians over M = K 1024-4096, N 128-512, V 2
-  // and 8, sparsity 0.7-0.98 (54 cells a pair, int64 output), a ring of four slots: L8-R8 0.965x the
-  // time on the geometric mean (0.86-1.03x), L16-R8 0.958x (0.90-1.04x), L16-R16 0.976x (0.93-1.07x,
-  // losing at sparsity 0.98 with V 2), L16-R4 0.962x (0.83-1.01x); L8-R4 0.973x but up to 1.14x with
-  // V 2, L4-R4 1.002x (up to 1.07x). A ring of six, landed first for L8-R8's narrow tile on grids of
-  // one wave, took 0.99x the four's time there, and past one wave up to 1.27x the one-block form's
-  // (kernel_checks.md, seventy-first round). On the wide tile, 8-bit A and B and 16-bit A and B take
-  // a ring of five (three blocks in flight; 111-112 registers against 96, four CTAs an SM) where its
-  // grid fits one wave: there it took 0.967x the four's time on both (0.89-1.03x, 39 cells; the
-  // target 8.66 -> 8.57 us with int64 output, 9.01 -> 8.37 with fp16), and 0.963x (0.93-0.99x) on the
-  // 22 of 96 fresh cells the rule moves (BH 1-2, M = K 1536-3072, N 192-384, V 4-8, unsigned A too,
-  // fp16 output); past one wave it lost 1.04x (up to 1.10x), L16-R8's wide tile 1.016x even in one
-  // wave, and the narrow tile 1.00-1.01x in one wave (seventy-second round). 8-bit A with 4-bit B
-  // pairs where rows average more than three blocks and the paired kernel's grid fits one wave (89
-  // registers against 77: five CTAs an SM, not six): there it took 0.936x the time on the sweep's
-  // grid (0.88-0.99x, 30 cells, int64 output) and 0.950x (0.91-0.98x) on 35 fresh cells (BH 1-3,
-  // M = K 768-3584, N 96-448, V 2-8, unsigned A and ragged rows too, fp16 output). Where only the
-  // one-block kernel's grid fits one wave it took 1.15x (up to 1.30x, 15 fresh cells); on larger
-  // grids 0.97-1.02x on rows of more than three blocks, up to 1.14x on shorter ones (seventy-third
-  // round). No kind pairs where the paired kernel's grid takes more waves than the one-block
-  // kernel's: on the narrow tile L8-R8 holds 8 paired CTAs an SM against 10, L16-R16 7 against 8, and
-  // between the two waves (fresh cells, BH 1-4, K 1024-3072, V 2-8, unsigned A and ragged rows too,
-  // fp16 output) pairing took 1.051x the time (up to 1.16x, 30 cells) and 1.101x (up to 1.20x, 13
-  // cells), where the waves are the same 0.970x and 0.990x (same round).
+  // The integer kinds take two blocks a step (spmm_kernel's PAIR_RING, a ring of four slots) where
+  // rows average two blocks or more and the paired grid takes no more waves than the one-block one:
+  // 0.958-0.976x the time by pair (seventy-first round); where it takes more, pairing cost up to
+  // 1.20x (on the narrow tile L8-R8 holds 8 paired CTAs an SM against 10, L16-R16 7 against 8;
+  // seventy-third round). Not 4-bit B under 4-bit A (1.002x, up to 1.07x). 8-bit A with 4-bit B
+  // pairs on rows of more than three blocks where the paired grid fits one wave (five CTAs an SM, not
+  // six): 0.950x the time over 35 fresh cells, and 1.15x where only the one-block grid fits one wave
+  // (seventy-third round). On the wide tile 8-bit A and B and 16-bit A and B take a ring of five
+  // (three blocks in flight, four CTAs an SM) where its grid fits one wave: 0.963-0.967x the four's
+  // time, the target 9.01 -> 8.37 us with fp16 output; past one wave 1.04x, and L16-R8's wide tile
+  // 1.016x even in one wave (seventy-second round).
   if constexpr (!sd::Kind<AB, AS, BB, TB>::kFp16 && AB != 4) {
     constexpr auto four = sd::spmm_kernel<AB, AS, BB, TB, 0, false, 4>;
     const int64_t wave = magicube::wave_ctas<four>(kThreads, 0);
@@ -296,108 +261,44 @@ double resident_us(double load_mb, double warp_kcolumns) {
 }
 
 // The resident-B kernel, where it applies: 8- or 4-bit B whose rows take 16-byte copies and a
-// 32-byte slice of all of B's rows fitting one CTA's shared memory. By default it runs on rows of
-// up to one of the gather kernel's narrow tiles (128 bytes), or two of 4-bit B (which that kernel
-// takes in narrow tiles too), from a count of gathers (bytes per SM and unit of V) that depends on
-// the share of the tile a row fills: an eighth from 6 KB, a quarter from 12 KB, half from 24 KB, a
-// whole tile from 96 KB, two tiles from 48 KB. That is where it paid on an H100 and an H200 (the
-// sweep's cells of the six 8- and 4-bit B pairs, M = K 512-4096, V 2 / 4 / 8, sparsity 0.5-0.98,
-// every way forced; kernel_checks.md, fortieth and forty-first rounds): at N 128-512, over the 1296
-// cells of each chip, the choice between the two took 0.34-0.74 % more time than the faster kernel
-// per row width (the thresholds before, fitted on an older resident kernel, 0.98-7.5 %), at most
-// 1.23x in one cell; at N 32 and 64, over 864 cells, 0.0-0.5 % (16-byte rows, 4-bit B of N 32, at 12
-// KB: 3.7-3.9 %; the resident kernel won every cell from 6.3 KB on, up to 1.5x).
-// On batched problems rows of up to half a narrow tile pay from less: the count falls with batch x
-// heads down to a quarter from BH 4. The resident kernel's time stays nearly flat from BH 2 to 16
-// (L8-R8, V 8, sparsity 0.7, M = K = 1024, N 32: 5.8-5.9 us) while the gather kernel's grows with
-// the gathers (4.8-15.8). Over the cells of such rows measured with every way forced at BH 2-32
-// (H200, 536 cells, M = K 512-2048, V 2 / 4 / 8, sparsity 0.5-0.95, 8- and 16-bit A), the automatic
-// choice took 1.003-1.016x the fastest way's time by BH, against 1.026-1.178x with BH 1's counts; no
-// cell it moved onto the resident kernel lost more than 3 %. On 1470 other cells (BH 2-32, M = K
-// 512-4096, sparsity 0.5-0.98, 4- to 16-bit A, unsigned A, int64 output) it took 0.86-0.97x the time
-// by BH of the counts before; 246 cells 0.33-0.94x, one 1.09x. 4-bit B's rows of a whole narrow tile
-// (N 256) at V 8 take the same counts: over 200 cells (4- to 16-bit A, BH 2-32, M = K 512-4096,
-// sparsity 0.5-0.98) they took 0.93-1.00x the time by BH, 41 cells 0.77-0.94x, two 1.05x and 1.07x.
-// Not at V 4, where the forced runs showed the resident kernel winning only from about 48 KB, nor
-// on rows of 256 bytes, where cells of 16 KB at BH 16 and 32 took up to 1.30x. But at V 4 12- and
-// 16-bit A (16-bit containers) on 4-bit B's rows of 65-128 bytes take a quarter of the count from
-// BH 8 where A's rows average four blocks or more: the 25 such cells of the forced runs and of an
-// A/B on a first draft (H200, L16-R4, L12-R4, unsigned L16-R4, BH 8-24, M = K 512-1536, sparsity
-// 0.65-0.92) took 0.71-1.05x the time of the choice before, while shorter rows took up to 1.16x (34
-// cells) and 8-bit B's rows of 65-128 bytes up to 1.46x. In an A/B against 14e92c5 on 72 cells it
-// had not seen (N 160-256, BH 8-24, M = K 640-1408, sparsity 0.6-0.88) it took 0.85x the time on
-// the geometric mean, 0.67-1.06x by cell (kernel_checks.md, fifty-ninth round). 4- and 8-bit A take
-// the same on rows of 65-96 bytes from BH 8 to 16: forced, the resident kernel took 0.71-0.97x the
-// gather kernel's time on such rows of four blocks or more (L8-R4 and L4-R4, N 160 and 192, BH 8-16,
-// 65 cells), but up to 1.16x on rows of 128 bytes and 1.02-1.21x at BH 24; in an A/B, rows of 112
-// bytes (N 224) took up to 1.21x at BH 12. In two A/Bs on cells it had not seen (signed and
-// unsigned A, M = K 672-1024, sparsity 0.62-0.8) it took 0.82x and 0.84x the time on the geometric
-// mean (218 and 226 cells), 0.64-1.06x by cell (kernel_checks.md, sixtieth round). Where the grid
-// runs CTAs of 4 warps (resident_groups), rows of 65-96 bytes of either B take a quarter from BH 8,
-// whatever their V and length: forced on such grids where the choice took the gather kernel (H200,
-// 150 cells, BH 10-32), the resident kernel took 0.68-0.84x its time on 4-bit B's rows of 80 and 96
-// bytes and 0.74-0.98x on 8-bit B's of 96, against 0.83-1.08x on rows of 112 and 128 bytes of 4-bit
-// B and 0.97-1.32x on 8-bit B's of 128. In an A/B against 0501f9c on 343 cells it had not seen (4- to
-// 16-bit A, N 80-192, V 2-8, BH 8-28, M = K 576-1344, sparsity 0.65-0.93) it took 0.83x the time on
-// the geometric mean, 0.64-1.13x by cell; the nine over 1.03x are 8-bit B's rows of two or three
-// blocks at V 4 and sparsity 0.93. So do 4-bit B's rows of up to 112 bytes where A's rows average
-// four blocks or more: 0.94x over 124 such cells of a second A/B, 0.82-1.04x by cell; rows of 128
-// bytes, left out, took 0.98x on the mean and up to 1.12x (kernel_checks.md, sixty-first round).
-// 4-bit B's rows of 33-64 bytes take a quarter at any BH where the resident grid keeps ten warps an
-// SM or more in rows and a warp runs at least a block per 32 rows of the slice its CTA loads.
-// Forced off the sweep's grid (H200, BH 1, M = K 1536-3072, V 2 / 4, sparsity 0.93-0.985, 11 such
-// warps), the gather kernel took 1.05-1.4x the resident kernel's time at counts under 24 KB, where
-// on the sweep's grid, with 3-7 busy warps, the other ways ran 1.05-1.4x faster than it (with 15,
-// at M = K 2048, V 2, sparsity 0.98, it won too: 0.86-0.88x; at 4096, V 4, where the bound below
-// leaves it out, 0.82-0.90x). In A/Bs on three sets of fresh cells (H200, L4-R4, L12-R4, L16-R4, M
-// 512-6656, K 1024-6144, N 96 and 128, V 2 / 4 / 8, BH 1-3, sparsity 0.9-0.99) the cells it moved
-// took 0.838x the time (183 cells, without the bound on a warp's blocks; up to 1.34x at K 5120, a
-// warp's blocks 1/53 of K), 0.840x (291, a bound of 1/48; up to 1.38x at K 4864-6144, V 4, sparsity
-// 0.98) and 0.804x (168 cells, this bound; 0.65-1.17x by cell), the others 1.000x. Not with 8-bit
-// A, whose gather kernel runs such rows faster (M = K 1536, V 2, sparsity 0.96: 3.9 us against 4.6
-// resident; 5.0-5.5 with 4-, 12- and 16-bit A; kernel_checks.md, sixty-sixth round).
-// 4-bit B's rows of at most 64 bytes run on the gather kernel's quarter tile (on_tile), which
-// took 0.74-0.81x the narrow tile's time on them, and count against that tile: a quarter of it from
-// 10 KB, half from 20 KB, more from 80 KB, and batched down to a sixteenth at BH 16 (busy grids keep
-// at least their quarter). Fitted on an H200 with every way forced and the choice of each count
-// read back (1896 cells: the four 4-bit B pairs, N 32-128, M = K 512-4096, V 2 / 4 / 8, sparsity
-// 0.5-0.98 on the sweep's grid and 0.6-0.96 beside it, BH 1, 4 and 16), the choice took 1.014x the
-// fastest way's time against 1.032x with the narrow tile's counts; on 1248 fresh cells (M = K
-// 640-3584, sparsity 0.65-0.97, BH 1, 2 and 8) 1.023x against 1.029x, and with the quarter tile's
-// rows no longer stacked (launch_gather) 1.015x; the 172 cells the two moved took 0.90x the time,
-// 0.74-1.33x by cell (kernel_checks.md, eighty-fourth round). There 12- and 16-bit A keep the
-// busy grids' quarter only where the gather kernel's grid leaves its last wave under half full (7
-// CTAs an SM on the quarter tile): in that data, such rows at a last wave of 0.11 took 0.70-1.04x
-// the time with the quarter (the sweep's M = K 2048 at V 2 and 4096 at V 4), where in one wave or
-// two nearly full ones (M = K 1536 and 3072 beside the grid, 3584) it took 1.03-1.27x
-// (kernel_checks.md, eighty-fifth round).
-// 8-bit B's rows of at most 64 bytes run on the quarter tile too, and those of 64 bytes, where its
-// gather kernel took 0.85x the narrow tile's time (0.83x with 16-bit A), count from 60 KB; rows of
-// 16-48 bytes gained less (0.86-0.97x) and kept their counts (48: below). Fitted on an H200 with
-// every way forced and the choice of each count read back (L8-R8 and L16-R8, N 16-64, M = K
-// 512-4096, V 2 / 4 / 8, sparsity 0.5-0.98, BH 1, 4 and 16: 732 cells), the choice took 1.012x the
-// fastest way's time against 1.062x before the quarter tile (1.018x with the quarter tile and the
-// narrow tile's count); on 260 fresh cells (M = K 640-3584, N 32 and 64, sparsity 0.65-0.97, BH 1,
-// 2 and 8) 1.010x against 1.085x: 0.953x and 0.930x the time of the choice before, 0.70-1.10x by
-// cell (kernel_checks.md, eighty-sixth round).
-// Rows of 48 bytes (N 48 of 8-bit B, N 96 of 4-bit B, and rows padded to them) count from 8 KB with
-// 8-bit B and from 32 KB with 4-bit B and 4- or 8-bit A, not 24 and 80, where A's rows average
-// eight blocks or more (long_48): on shorter rows the resident kernel still loads B's whole slices
-// (resident_us) for few columns. On the eighty-ninth round's forced runs (910 cells of such rows:
-// L8-R8, L16-R8, L8-R4, L4-R4 and L16-R4, M = K 1024-4096, V 2 / 4 / 8, sparsity 0.5-0.9, BH 1, 2,
-// 4, 8 and 16) the choice took 1.007x the fastest way's time against 1.021x on the 370 cells the
-// counts were fitted on, and 1.007x against 1.023x on the 540 others. The counts alone, on 2592 fresh
-// cells (the six pairs with L12-R4, N 40 / 48 / 88 / 96, M and K 896-4608, sparsity 0.62-0.98, BH 1,
-// 3 and 8), moved 142 cells where A's rows average under eight blocks onto the resident kernel at
-// 1.13x their time (up to 1.58x; 139 of them at sparsity 0.91-0.98); with the bound the cells took
-// 0.995x the time of before, and 0.995x on 2592 others (M and K 1024-4096, sparsity 0.66-0.985, BH
-// 1, 2 and 6), where the 95 cells it moved took 0.87x (0.60-1.22x by cell). 12- and 16-bit A over
-// 4-bit B keep 80: there the lower count took 1.001-1.002x (kernel_checks.md, ninetieth round).
-// Wider rows of 8-bit B take the gather kernel's wide tile at L2 bandwidth, and the resident
-// kernel's shared-memory gathers lose to bank conflicts (N 256: 8.6 against 14.5 us at the SpMM
-// target). Where it pays, it runs unless the dense path's estimate (dense_us, weighed by
-// against_resident; infinite where the dense path does not pay) is under its own. Returns
-// whether it ran.
+// 32-byte slice of all of B's rows fitting one CTA's shared memory. It loads B's slices once and
+// gathers from them, where the gather kernel reads a row of B from L2 for every kept vector, so it
+// pays from a count of those gathers (`gathers`: bytes per SM and unit of V), and only on rows of up
+// to one narrow tile (128 bytes), or two of 4-bit B: wider rows take the gather kernel's wide tile at
+// L2 bandwidth, where its shared-memory gathers lose to bank conflicts (N 256: 8.6 against 14.5 us at
+// the SpMM target).
+// Each count was fitted with every way forced and checked by A/Bs on cells it had not seen;
+// kernel_checks.md gives, under the round named, the data, the figures and the bounds that lost.
+// - By the share of the narrow tile a row fills: an eighth from 6 KB, a quarter from 12 KB, half
+//   from 24 KB, a whole tile from 96 KB, two tiles from 48 KB (fortieth and forty-first rounds, H100
+//   and H200: 0.34-0.74 % over the faster kernel per row width on the sweep's cells).
+// - 4-bit B's rows of at most 64 bytes run on the gather kernel's quarter tile and count against
+//   it: a quarter from 10 KB, half from 20 KB, more from 80 KB (eighty-fourth round: 1.014x the
+//   fastest way's time against 1.032x). 8-bit B's rows of 64 bytes, on that tile too, count from 60
+//   KB (eighty-sixth round: 1.012x against 1.062x).
+// - Rows of 48 bytes where A's rows average eight blocks or more (`long_48`), but 4-bit B's under
+//   12- and 16-bit A, count from 8 KB (8-bit B) and 32 KB (4-bit B); under shorter rows of A the
+//   kernel still loads all of B's slices for few columns (ninetieth round: 0.995x the time of
+//   before, the cells moved 0.86x; without the bound up to 1.58x).
+// - Batched (`batched`), the count falls with BH, as the resident kernel's time hardly grows with
+//   BH while the gather kernel's does: to a quarter from BH 4 on rows of up to half a narrow tile
+//   and on 4-bit B's rows of up to a whole one at V 8 (fifty-eighth round: 0.86-0.97x the time by
+//   BH), and down to a sixteenth at BH 16 on the quarter tile (eighty-fourth round). To a quarter
+//   from BH 8 too on 4-bit B's rows at V 4 where A's rows average four blocks or more, of 65-128
+//   bytes under 12- and 16-bit A and of 65-96 bytes up to BH 16 under 4- and 8-bit A
+//   (`quarter_at_v4`; fifty-ninth and sixtieth rounds: 0.85x, 0.82x and 0.84x the time), and on
+//   grids of 4-warp CTAs (`split`) on rows of 65-96 bytes, and 4-bit B's of up to 112 where A's rows
+//   average four blocks or more (`quarter_split`; sixty-first round: 0.83x and 0.94x).
+// - 4-bit B's rows of 33-64 bytes keep a quarter at any BH where the grid keeps ten warps an SM or
+//   more in rows and a warp runs a block or more per 32 rows of its slice (`quarter_busy`): under
+//   4-bit A, and under 12- and 16-bit A where the gather kernel's last wave is under half full
+//   (sixty-sixth and eighty-fifth rounds: the cells moved 0.804x and 0.956x the time); 8-bit A's
+//   gather kernel runs them faster.
+// - 8-bit B's rows of 128 bytes at BH 1 stay on the gather kernel whatever the count
+//   (`gather_wins`; sixty-third round: 0.982x the time, 0.75-1.005x by cell).
+// Where it pays, it runs unless the dense path's estimate (dense_us, weighed by against_resident;
+// infinite where the dense path does not pay) is under its own (resident_us; eighty-ninth round).
+// Returns whether it ran.
 template <int AB, bool AS, int BB>
 bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream,
                      Choice choice, double dense_us) {
@@ -575,45 +476,23 @@ struct Estimates {
 };
 
 // Whether the dense path is the faster one, by estimated times (us) of both ways, fitted on an H200
-// over the bench_spmm sweep's cells (M = K 512-4096, N 128-512, V 2 / 4 / 8, sparsity 0.5-0.95, the
-// seven pairs, BH 1, every way forced; eval/results/kernel_checks.md, thirty-first to thirty-third
-// rounds). The gather and resident-B kernels: 3.5 + the gathered MB (a row of B per kept vector,
-// from L2) over a rate that grows with the row's width: 4.3 MB/us for rows of up to 64 bytes, 5.3
-// to 128, 6.5 to 256, 8.0 past. The dense path: 10.2 + 0.35 per MB of A's planes + 1.58 per million
-// stored values (A's slots, read once per row of a vector) + per GOP of one plane product (2 M N
-// K): 1.45 through cuBLAS (once per batch x head, about 2 more each after the first); in our GEMM
-// on mma.sync 3.10 or 4.60 for two or four products (1.57 for one unsigned product), on wgmma 0.76,
-// 1.7 and 2.75 for one, two and four products (2.1 for four in the smaller tile): constants fitted
-// as 1.05, 1.9, 3.3 and 2.5, then scaled by the time the GEMM took once its stages came by TMA
-// (geometric means over 15 cells, H200: 0.89, 0.91, 0.83; thirty-seventh round) and one product's
-// once its fp16 stores were staged (0.81 on both chips over 7 cells; thirty-ninth round): on the
-// fortieth round's calibration (six pairs, both chips) that took the dense path's choice on the
-// one-product pairs from 0.75 % more time than the faster way to 0.58 %. The least tile's, 0.97 and
-// 2.06 for one and two products, are those of what ran there before (cuBLAS's 1.45, the mma.sync
-// GEMM's 3.10) scaled by the time its GEMM took against theirs (0.67 and 0.66, geometric means over
-// 18 cells each, H200; forty-fourth round); split between two CTAs a tile (pick_gemm), where
-// cuBLAS's or the mma.sync GEMM ran before it, it counts as the least tile, having taken 0.68-0.80x
-// their time (sixty-second round). Over the fit's own cells,
-// choosing by the two estimates (the fitted constants) took 0.31-0.35 % more time than the faster
-// way on the geometric mean, at most 31 % in one. The expansion has since run 1.1-1.5x faster
-// (c3870c0), and with 12- and 16-bit A 1.05x again (forty-first round), so the dense estimates run
-// high by up to its saving; refitted on the faster expansion they chose no better (0.37 % against
-// these constants' 0.32 %, thirty-fifth round), nor did the two-plane pairs' expansion terms scaled
-// by 0.7-0.95 (0.38-0.61 % against 0.38-0.40 %, forty-first round's calibration). 4-bit B's rows
-// go at 0.85 of the rate: there the way that runs instead is mostly the resident-B kernel, whose
-// products per byte of B are twice 8-bit B's, and the best of the other ways took 0.85-1.07x the
-// estimate by A's width and row width where 8-bit B's took 0.74-0.95x. Simulated over the
-// forty-ninth round's `--ways` sweep (53c8de1, H200, the dense path's times at the 0.961x it has
-// run since), that moved 16 of its 864 4-bit B cells from the resident kernel to the dense path at
-// 0.71-0.96x their time, none slower, and no M, N or V took longer (fifty-third round). On our
-// wgmma GEMM the dense path has since run faster than its estimate: over the fifty-third round's
-// `--ways` sweep (9c3bcc9) it took 0.68-0.80x the estimate by tile and products, against
-// 0.91-0.93x on mma.sync and 0.75-0.96x for the best of the other ways, so its estimate counts at
-// 0.8 there: with 8- and 16-bit B the automatic choice took 0.987-0.995x the time by pair over the
-// sweep's cells at M = K 1024-4096 (A/B, H200, BH 1; BH 4: 0.989-0.996x; fifty-fourth round). With
-// 4-bit B it lost at first (1.002-1.004x, BH 4 1.007-1.010x), until 4-bit B's expansion ran
-// 0.86-0.88x the time (57c216d): since, 0.992-0.997x by pair (0.69-1.07x by cell), BH 4
-// 0.989-1.000x (0.63-1.17x; N 64-512, fifty-fifth round).
+// with every way forced over the bench_spmm sweep's cells (the seven pairs, BH 1; thirty-first to
+// thirty-third rounds), where choosing by the two took 0.31-0.35 % more time than the faster way.
+// The gather and resident-B kernels: 3.5 + the gathered MB (a row of B per kept vector, from L2)
+// over a rate that grows with the row's width: 4.3 MB/us for rows of up to 64 bytes, 5.3 to 128, 6.5
+// to 256, 8.0 past; 4-bit B's at 0.85 of it, as the way that runs instead there is mostly the
+// resident kernel (fifty-third round: 16 of 864 cells moved to the dense path at 0.71-0.96x their
+// time, none slower). The dense path: 10.2 + 0.35 per MB of A's planes + 1.58 per million stored
+// values + per GOP of one plane product (2 M N K): 1.45 through cuBLAS (about 2 more for each batch x
+// head after the first); on our mma.sync GEMM 1.57, 3.10 or 4.60 for one (unsigned), two or four
+// products; on wgmma 0.76, 1.7 and 2.75 (2.1 for four in the smaller tile), the fitted constants
+// scaled by what its TMA stages and staged stores saved (thirty-seventh and thirty-ninth rounds);
+// the least tile's 0.97 and 2.06, scaled from the GEMMs that ran there before it (forty-fourth
+// round), which its split form counts as too (sixty-second round). The expansion has since run
+// faster, but refits on it chose no better (thirty-fifth and forty-first rounds). On wgmma the dense
+// path ran 0.68-0.80x its estimate (0.91-0.93x on mma.sync), so that estimate counts at 0.8: the
+// choice then took 0.987-0.995x the time by pair over the sweep with 8- and 16-bit B, and 0.992-0.997x
+// with 4-bit B (fifty-fourth and fifty-fifth rounds).
 // Returns both estimates: the dense path pays where its own, weighed by batched_dense, is under the
 // gather kernel's.
 Estimates estimates(const DenseShape& d, const Params& p, int64_t b_bits, int64_t bh, int64_t nnz_pad) {
