@@ -193,12 +193,12 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
 # rows, with 4-bit A, and with 12- and 16-bit A where the gather kernel's grid ends in a wave under
 # half full (7 CTAs an SM), not with 8-bit A. L4-R4 at V 2, N 128, sparsity 0.85, M = K = 1536 (768
 # vector rows, a row a warp, 11 busy warps an SM on 132 SMs), BH 1: 46.5 KB against 20 (L8-R4 there
-# against 80); at sparsity 0.96: 11.6 KB, under 20 (14.2 on 108 SMs). L16-R4 at sparsity 0.85, M = K
-# = 1408: 37.3 KB against 80, its gather grid of 704 CTAs one wave (before, against 20: the resident
-# kernel, which took 1.13x the gather kernel's time in a cell beside it); at sparsity 0.9, M = K =
-# 2048: 54.3 KB against 20, 1024 CTAs leaving 100 in a second wave of 924 (on 108-143 SMs 50-66 KB,
-# at most 268 of 756-1001). L4-R4 at sparsity 0.9, M = K = 1024 (7 busy warps an SM): 15.5 KB
-# against 80.
+# against 80); at sparsity 0.96: 11.6 KB, under 20 (14.2 on 108 SMs). L16-R4 at sparsity 0.85,
+# M = K = 1408: 37.3 KB against 80, its gather grid of 704 CTAs one wave (before, against 20: the
+# resident kernel, which took 1.13x the gather kernel's time in a cell beside it); at sparsity 0.9,
+# M = K = 2048: 54.3 KB against 20, 1024 CTAs leaving 100 in a second wave of 924 (on 108-143 SMs
+# 50-66 KB, at most 268 of 756-1001). L4-R4 at sparsity 0.9, M = K = 1024 (7 busy warps an SM): 15.5
+# KB against 80.
 # Rows of 48 bytes where A's rows average eight blocks or more count from 8 KB (8-bit B) and 32 KB
 # (4-bit B under 4- and 8-bit A), not 24 and 80. L8-R8 at V 8, sparsity 0.6, M = K = 3072, N 48 (39
 # blocks a row), BH 1: 21.3 KB (19.6-26.0 on 108-143 SMs), the resident kernel (before, the gather
