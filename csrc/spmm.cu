@@ -90,8 +90,8 @@ constexpr int64_t kMergeBlocks = 32;
 
 // The gather kernel on V 2 rows merged four at a time (spmm_kernel.cuh: MergedRows), where
 // p.merge_blocks says it applies (V 2, M a multiple of 8), its shared memory fits and it is asked
-// for or pays: rows of B of a narrow tile or more (128 bytes), rows of A of at most four blocks on
-// the mean, and three merged CTAs an SM or more. There, on an H200, it took 0.77-1.01x the time of
+// for or pays: rows of B of a narrow tile or more (128 bytes; with 4-bit B, below, past the quarter
+// tile), rows of A of at most four blocks on the mean, and three merged CTAs an SM or more. There, on an H200, it took 0.77-1.01x the time of
 // the choice before it with 8- and 16-bit B of N 256 and 512 (the 17 such cells of 420: the seven
 // pairs at V 2, M = K 512-4096, N 128-512, sparsity 0.7-0.98, BH 1; mostly M = K 2048 and 4096 at
 // sparsity 0.95 and 0.98), where the merged CTAs' union pays for its building; with fewer CTAs or
@@ -107,7 +107,14 @@ constexpr int64_t kMergeBlocks = 32;
 // 768-4096, N 96-512, sparsity 0.7-0.985), the 53 such cells between 7/4 and 3 an SM (256-384
 // merged CTAs) took 0.69-1.14x the time of the choice before, 0.885x on the geometric mean, while
 // at 192 CTAs merging took 0.89-1.56x (1.11x), and on 8-bit B's narrow tile 0.98-1.29x
-// (kernel_checks.md, sixty-fourth round). It runs before the resident-B kernel (launch_integer).
+// (kernel_checks.md, sixty-fourth round). 4-bit B's rows of 65-127 bytes merge by these bounds
+// on the narrow tile, their gather kernel's, and rows of A of up to four blocks from 21/8
+// merged CTAs an SM on the wide tile and with 4-bit B under 12- and 16-bit A: with every way forced
+// on 2728 V 2 cells about the bounds (H200; M = K 1280-4096, rows of B of 96-512 bytes, sparsity
+// 0.9-0.99) the 166 cells that move took 0.896x the time of the choice before (0.69-1.20x), while
+// merging took 1.08x at 2.25-2.6 CTAs an SM, 1.14x on 8- and 16-bit B's narrow tile, 1.03x with
+// 4-bit B under 4- and 8-bit A and 1.11x on 8- and 16-bit B's rows under 128 bytes (geometric
+// means; ninety-second round). It runs before the resident-B kernel (launch_integer).
 // Returns whether it ran.
 template <int AB, bool AS, int BB, int TB>
 bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice) {
@@ -121,9 +128,14 @@ bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, 
     if (smem > magicube::max_dynamic_smem<kernel>()) return false;
     const int64_t ctas = vrows / 4 * ((p.row_bytes + TB - 1) / TB) * bh;
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    const bool short_rows = nnz_pad <= 2 * kSlots * vrows && (BB == 4 || TB == sd::kWideTileBytes);
-    const bool pays = (BB != 4 || !p.out_int64) && p.row_bytes >= sd::kNarrowTileBytes &&
-                      ((nnz_pad <= 4 * kSlots * vrows && ctas >= 3 * sms) || (short_rows && 4 * ctas >= 7 * sms));
+    // 4-bit B's rows past the quarter tile, 8- and 16-bit B's of a narrow tile or more.
+    const int64_t least_row = BB == 4 ? sd::kQuarterTileBytes + 1 : sd::kNarrowTileBytes;
+    const bool wide = BB == 4 || TB == sd::kWideTileBytes;  // not 8- and 16-bit B's narrow tile
+    const bool four_blocks = nnz_pad <= 4 * kSlots * vrows;
+    const bool pays = (BB != 4 || !p.out_int64) && p.row_bytes >= least_row &&
+                      ((four_blocks && ctas >= 3 * sms) ||
+                       (wide && nnz_pad <= 2 * kSlots * vrows && 4 * ctas >= 7 * sms) ||
+                       (wide && (AB >= 12 || BB >= 8) && four_blocks && 8 * ctas >= 21 * sms));
     if (choice == Choice::kAuto && !pays) return false;
     launch_tiles<AB, AS, BB, TB, 0, true>(p, vrows, bh, stream, smem);
     return true;

@@ -25,9 +25,9 @@ wgmma_estimate = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.
 # SXM and H200 132).
 sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 0
 resident_grid = pytest.mark.skipif(not 108 <= sms < 144, reason="the case's resident grid holds for 108-143 SMs")
-# Rows of A of at most two blocks merge from 7/4 merged CTAs an SM (launch_merged): 256 of them on
-# GPUs of up to 146 SMs.
-short_rows_grid = pytest.mark.skipif(not 0 < sms <= 146, reason="the case's 256 merged CTAs pay on up to 146 SMs")
+# Rows of A of at most two blocks merge from 7/4 merged CTAs an SM, of up to four blocks from 21/8
+# on the wide tile (launch_merged): 256 and 384 of them on GPUs of up to 146 SMs.
+merged_grid = pytest.mark.skipif(not 0 < sms <= 146, reason="the case's 256 or 384 merged CTAs pay on up to 146 SMs")
 
 
 def on_resident_grid(shape, bh, way, case_id):
@@ -370,11 +370,12 @@ def test_resident_cta_warps(kernels, monkeypatch, a_bits, b_bits, v, bh, warps):
 
 # (a_bits, b_bits, V, sparsity, M = K, N[, A signed, output dtype], MAGICUBE_SPMM_KERNEL, whether the
 # gather kernel merges V 2 rows four at a time): by default on rows of B of 128 bytes or more (4-bit
-# B: fp16 output only), rows of A of at most four blocks on the mean and three merged CTAs an SM or
-# more (512 here, on GPUs of up to 170 SMs), not on rows of seven blocks (M = K = 4096, sparsity
-# 0.95) nor on a grid of 256 CTAs; rows of at most two blocks from 7/4 CTAs an SM (256 here: GPUs
-# of up to 146 SMs), but not on 128 CTAs (GPUs of 74 SMs or more) nor on 8-bit B's narrow tile;
-# `merged` merges wherever M is a multiple of 8, `gather` never.
+# B: fp16 output only, rows of 96 bytes too), rows of A of at most four blocks on the mean and three
+# merged CTAs an SM or more (512 here, on GPUs of up to 170 SMs), not on rows of seven blocks (M = K
+# = 4096, sparsity 0.95) nor on a grid of 256 CTAs; rows of at most two blocks from 7/4 CTAs an SM
+# (256 here: GPUs of up to 146 SMs; 384 on rows of 96 bytes: up to 219), but not on 128 CTAs (GPUs
+# of 74 SMs or more) nor on 8-bit B's narrow tile; rows of four blocks from 21/8 CTAs an SM on the
+# wide tile (384 here: up to 146 SMs); `merged` merges wherever M is a multiple of 8, `gather` never.
 MERGE_CASES = {
     "L8-R8": (8, 8, 2, 0.98, 4096, 256, "auto", True),
     "L16-R4-fp16": (16, 4, 2, 0.98, 4096, 256, True, torch.float16, "auto", True),
@@ -387,9 +388,11 @@ MERGE_CASES = {
     "L8-R4-fp16-before-resident": (8, 4, 2, 0.98, 2048, 512, True, torch.float16, "auto", True),
     "L8-R8-before-resident": (8, 8, 2, 0.975, 4096, 128, "auto", True),
     "L16-R8-few-ctas": (16, 8, 2, 0.95, 2048, 256, "auto", False),
-    "L16-R8-short-rows": pytest.param((16, 8, 2, 0.98, 2048, 256, "auto", True), marks=short_rows_grid),
+    "L16-R8-short-rows": pytest.param((16, 8, 2, 0.98, 2048, 256, "auto", True), marks=merged_grid),
     "L16-R8-short-rows-128-ctas": (16, 8, 2, 0.98, 1024, 256, "auto", False),
     "L8-R8-short-rows-narrow-tile": (8, 8, 2, 0.98, 2048, 128, "auto", False),
+    "L16-R4-fp16-rows-of-96-bytes": (16, 4, 2, 0.985, 3072, 192, True, torch.float16, "auto", True),
+    "L16-R8-four-blocks": pytest.param((16, 8, 2, 0.96, 3072, 256, "auto", True), marks=merged_grid),
     "L8-R8-merged": (8, 8, 2, 0.9, 1024, 64, "merged", True),
     "L8-R8-merged-m-not-multiple-of-8": (8, 8, 2, 0.9, 1004, 64, "merged", False),
     "L8-R8-gather": (8, 8, 2, 0.98, 4096, 256, "gather", False),
@@ -404,6 +407,27 @@ def test_merged_rows(kernels, monkeypatch, case):
     monkeypatch.setenv("MAGICUBE_SPMM_KERNEL", way)
     instance = _gather_instance(*shape)
     assert instance["MERGE"] == str(merged).lower() and (instance["STACK"] == "0" or not merged)
+
+
+# (a_bits, b_bits, V, sparsity, M = K, N[, A signed, output dtype]) where V 2 rows do not merge,
+# whichever way runs instead (launch_merged): 8-bit B's rows of 96 bytes; rows of four blocks on
+# 384 merged CTAs (under three an SM on GPUs of over 128 SMs) on 16-bit B's narrow tile and with
+# 4-bit B under 8-bit A.
+over_three_an_sm = pytest.mark.skipif(not sms > 128, reason="384 merged CTAs are three an SM on up to 128 SMs")
+UNMERGED_CASES = {
+    "L8-R8-rows-of-96-bytes": (8, 8, 2, 0.985, 3072, 96),
+    "L16-R16-four-blocks-narrow-tile": pytest.param((16, 16, 2, 0.96, 3072, 64), marks=over_three_an_sm),
+    "L8-R4-fp16-four-blocks": pytest.param((8, 4, 2, 0.96, 3072, 256, True, torch.float16), marks=over_three_an_sm),
+}
+
+
+@pytest.mark.parametrize("shape", UNMERGED_CASES.values(), ids=UNMERGED_CASES.keys())
+def test_merged_rows_left_out(kernels, shape):
+    """No gather kernel that the call launched merges rows (its MERGE argument)."""
+    names = _kernels_run(*shape)
+    merges = [name.split(WAY_KERNELS["gather"])[1].split(">")[0].split(", ")[5] == "true"
+              for name in names if WAY_KERNELS["gather"] in name]
+    assert names and not any(merges), names
 
 
 # (a_bits, b_bits, V, sparsity, M = K, N[, A signed], the gather kernel's ring of slots for two
