@@ -91,30 +91,32 @@ constexpr int64_t kMergeBlocks = 32;
 // The gather kernel on V 2 rows merged four at a time (spmm_kernel.cuh: MergedRows), where
 // p.merge_blocks says it applies (V 2, M a multiple of 8), its shared memory fits and it is asked
 // for or pays: rows of B of a narrow tile or more (128 bytes; with 4-bit B, below, past the quarter
-// tile), rows of A of at most four blocks on the mean, and three merged CTAs an SM or more. There, on an H200, it took 0.77-1.01x the time of
-// the choice before it with 8- and 16-bit B of N 256 and 512 (the 17 such cells of 420: the seven
-// pairs at V 2, M = K 512-4096, N 128-512, sparsity 0.7-0.98, BH 1; mostly M = K 2048 and 4096 at
-// sparsity 0.95 and 0.98), where the merged CTAs' union pays for its building; with fewer CTAs or
-// longer rows up to 6.7x (kernel_checks.md, fifty-second round). Rows of 128 bytes (8-bit B of N
-// 128, 16-bit of N 64) and 16-bit B of N 128 merge too: at BH 4 and 16 (M = K 512-4096, sparsity
-// 0.7-0.98) that took 0.59-0.91x the time in the 31 of their 140 cells whose time moved by more
-// than 5 %, the other 109 0.95-1.01x; at BH 1, 0.83-0.97x (M = K = 4096, sparsity 0.98; fifty-sixth
-// round). 4-bit B merges for fp16 output only: there it took 0.76-0.92x the time where the rule
-// takes it (BH 1, M = K = 4096, N 256, sparsity 0.98; BH 4, M = K = 1024, sparsity 0.95 and 0.98:
-// 0.61-0.84x), and with int64 output, four times the bytes, 1.02-1.24x (fifty-third round). Rows of
-// A of at most two blocks pay from 7/4 merged CTAs an SM, except on 8- and 16-bit B's narrow tile:
-// with every way forced on the sweep's grid and on cells off it (H200, the seven pairs at V 2, M = K
-// 768-4096, N 96-512, sparsity 0.7-0.985), the 53 such cells between 7/4 and 3 an SM (256-384
-// merged CTAs) took 0.69-1.14x the time of the choice before, 0.885x on the geometric mean, while
-// at 192 CTAs merging took 0.89-1.56x (1.11x), and on 8-bit B's narrow tile 0.98-1.29x
-// (kernel_checks.md, sixty-fourth round). 4-bit B's rows of 65-127 bytes merge by these bounds
-// on the narrow tile, their gather kernel's, and rows of A of up to four blocks from 21/8
-// merged CTAs an SM on the wide tile and with 4-bit B under 12- and 16-bit A: with every way forced
-// on 2728 V 2 cells about the bounds (H200; M = K 1280-4096, rows of B of 96-512 bytes, sparsity
-// 0.9-0.99) the 166 cells that move took 0.896x the time of the choice before (0.69-1.20x), while
-// merging took 1.08x at 2.25-2.6 CTAs an SM, 1.14x on 8- and 16-bit B's narrow tile, 1.03x with
-// 4-bit B under 4- and 8-bit A and 1.11x on 8- and 16-bit B's rows under 128 bytes (geometric
-// means; ninety-second round). It runs before the resident-B kernel (launch_integer).
+// tile), rows of A of at most four blocks on the mean, and three merged CTAs an SM or more. There,
+// on an H200, it took 0.77-1.01x the time of the choice before it with 8- and 16-bit B of N 256 and
+// 512 (the 17 such cells of 420: the seven pairs at V 2, M = K 512-4096, N 128-512, sparsity
+// 0.7-0.98, BH 1; mostly M = K 2048 and 4096 at sparsity 0.95 and 0.98), where the merged CTAs'
+// union pays for its building; with fewer CTAs or longer rows up to 6.7x (kernel_checks.md,
+// fifty-second round). Rows of 128 bytes (8-bit B of N 128, 16-bit of N 64) and 16-bit B of N 128
+// merge too: at BH 4 and 16 (M = K 512-4096, sparsity 0.7-0.98) that took 0.59-0.91x the time in
+// the 31 of their 140 cells whose time moved by more than 5 %, the other 109 0.95-1.01x; at BH 1,
+// 0.83-0.97x (M = K = 4096, sparsity 0.98; fifty-sixth round). 4-bit B merges for fp16 output only:
+// there it took 0.76-0.92x the time where the rule takes it (BH 1, M = K = 4096, N 256, sparsity
+// 0.98; BH 4, M = K = 1024, sparsity 0.95 and 0.98: 0.61-0.84x), and with int64 output, four times
+// the bytes, 1.02-1.24x (fifty-third round). Rows of A of at most two blocks pay from 7/4 merged
+// CTAs an SM, except on 8- and 16-bit B's narrow tile: with every way forced on the sweep's grid
+// and on cells off it (H200, the seven pairs at V 2, M = K 768-4096, N 96-512, sparsity 0.7-0.985),
+// the 53 such cells between 7/4 and 3 an SM (256-384 merged CTAs) took 0.69-1.14x the time of the
+// choice before, 0.885x on the geometric mean, while at 192 CTAs merging took 0.89-1.56x (1.11x),
+// and on 8-bit B's narrow tile 0.98-1.29x (kernel_checks.md, sixty-fourth round). 4-bit B's rows of
+// 65-127 bytes merge by these bounds on the narrow tile, their gather kernel's, except under 8-bit
+// A (there 0.80-1.20x the time, 0.988x on the geometric mean); rows of A of up to four blocks from
+// 21/8 merged CTAs an SM on the wide tile and with 4-bit B under 12- and 16-bit A. With every way
+// forced on 4898 V 2 cells about the bounds (H200; M = K 1280-4096, rows of B of 96-512 bytes,
+// sparsity 0.9-0.99, two sets of masks) the 244 cells that move took 0.892x the time of the choice
+// before (0.69-1.30x; measured on the second set against the build before, 0.907x); merging took
+// 1.05x at 2.25-21/8 CTAs an SM, 1.12x on 8- and 16-bit B's narrow tile, 1.04x with 4-bit B under
+// 4- and 8-bit A and 1.12x on 8- and 16-bit B's rows under 128 bytes (ninety-second round). It runs
+// before the resident-B kernel (launch_integer).
 // Returns whether it ran.
 template <int AB, bool AS, int BB, int TB>
 bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice) {
@@ -128,8 +130,9 @@ bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, 
     if (smem > magicube::max_dynamic_smem<kernel>()) return false;
     const int64_t ctas = vrows / 4 * ((p.row_bytes + TB - 1) / TB) * bh;
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    // 4-bit B's rows past the quarter tile, 8- and 16-bit B's of a narrow tile or more.
-    const int64_t least_row = BB == 4 ? sd::kQuarterTileBytes + 1 : sd::kNarrowTileBytes;
+    // 4-bit B's rows past the quarter tile (under 8-bit A, of a narrow tile or more, as 8- and
+    // 16-bit B's).
+    const int64_t least_row = BB == 4 && AB != 8 ? sd::kQuarterTileBytes + 1 : sd::kNarrowTileBytes;
     const bool wide = BB == 4 || TB == sd::kWideTileBytes;  // not 8- and 16-bit B's narrow tile
     const bool four_blocks = nnz_pad <= 4 * kSlots * vrows;
     const bool pays = (BB != 4 || !p.out_int64) && p.row_bytes >= least_row &&

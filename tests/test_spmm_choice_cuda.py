@@ -368,14 +368,15 @@ def test_resident_cta_warps(kernels, monkeypatch, a_bits, b_bits, v, bh, warps):
     assert names[0].split(WAY_KERNELS["resident"])[1].split(">")[0].split(", ")[-1] == str(warps)
 
 
-# (a_bits, b_bits, V, sparsity, M = K, N[, A signed, output dtype], MAGICUBE_SPMM_KERNEL, whether the
-# gather kernel merges V 2 rows four at a time): by default on rows of B of 128 bytes or more (4-bit
-# B: fp16 output only, rows of 96 bytes too), rows of A of at most four blocks on the mean and three
-# merged CTAs an SM or more (512 here, on GPUs of up to 170 SMs), not on rows of seven blocks (M = K
-# = 4096, sparsity 0.95) nor on a grid of 256 CTAs; rows of at most two blocks from 7/4 CTAs an SM
-# (256 here: GPUs of up to 146 SMs; 384 on rows of 96 bytes: up to 219), but not on 128 CTAs (GPUs
-# of 74 SMs or more) nor on 8-bit B's narrow tile; rows of four blocks from 21/8 CTAs an SM on the
-# wide tile (384 here: up to 146 SMs); `merged` merges wherever M is a multiple of 8, `gather` never.
+# (a_bits, b_bits, V, sparsity, M = K, N[, A signed, output dtype], MAGICUBE_SPMM_KERNEL, whether
+# the gather kernel merges V 2 rows four at a time): by default on rows of B of 128 bytes or more
+# (4-bit B: fp16 output only, and rows of 96 bytes, except under 8-bit A), rows of A of at most four
+# blocks on the mean and three merged CTAs an SM or more (512 here, on GPUs of up to 170 SMs), not
+# on rows of seven blocks (M = K = 4096, sparsity 0.95) nor on a grid of 256 CTAs; rows of at most
+# two blocks from 7/4 CTAs an SM (256 here: GPUs of up to 146 SMs; 384 on rows of 96 bytes: up to
+# 219), but not on 128 CTAs (GPUs of 74 SMs or more) nor on 8-bit B's narrow tile; rows of four
+# blocks from 21/8 CTAs an SM on the wide tile (384 here: up to 146 SMs); `merged` merges wherever M
+# is a multiple of 8, `gather` never.
 MERGE_CASES = {
     "L8-R8": (8, 8, 2, 0.98, 4096, 256, "auto", True),
     "L16-R4-fp16": (16, 4, 2, 0.98, 4096, 256, True, torch.float16, "auto", True),
@@ -410,12 +411,13 @@ def test_merged_rows(kernels, monkeypatch, case):
 
 
 # (a_bits, b_bits, V, sparsity, M = K, N[, A signed, output dtype]) where V 2 rows do not merge,
-# whichever way runs instead (launch_merged): 8-bit B's rows of 96 bytes; rows of four blocks on
-# 384 merged CTAs (under three an SM on GPUs of over 128 SMs) on 16-bit B's narrow tile and with
-# 4-bit B under 8-bit A.
+# whichever way runs instead (launch_merged): 8-bit B's rows of 96 bytes and 4-bit B's under 8-bit
+# A; rows of four blocks on 384 merged CTAs (under three an SM on GPUs of over 128 SMs) on 16-bit
+# B's narrow tile and with 4-bit B under 8-bit A.
 over_three_an_sm = pytest.mark.skipif(not sms > 128, reason="384 merged CTAs are three an SM on up to 128 SMs")
 UNMERGED_CASES = {
     "L8-R8-rows-of-96-bytes": (8, 8, 2, 0.985, 3072, 96),
+    "L8-R4-fp16-rows-of-96-bytes": (8, 4, 2, 0.985, 3072, 192, True, torch.float16),
     "L16-R16-four-blocks-narrow-tile": pytest.param((16, 16, 2, 0.96, 3072, 64), marks=over_three_an_sm),
     "L8-R4-fp16-four-blocks": pytest.param((8, 4, 2, 0.96, 3072, 256, True, torch.float16), marks=over_three_an_sm),
 }
