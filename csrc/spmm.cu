@@ -887,9 +887,12 @@ __global__ void pad_rows_kernel(const uint8_t* b, uint32_t* out, int64_t rows, i
 // took 2.5x the time of rows of 48 on the geometric mean, up to 8.4x (H200, L8-R8 and L16-R8, M = K
 // 640-3584, V 2 / 4 / 8, sparsity 0.6-0.97, BH 1, 2 and 8: 348 cells). Padded, the same cells took
 // 0.51x the time of before (0.13-1.6x; 25 cells slower: small problems, where the copy's 1.3-1.9 us
-// count, and V 2 at low sparsity, where the dense path had run), 1.30-1.45x the time of aligned
-// rows of the padded width by pair and width (L16-R16 and L8-R4 too); at::constant_pad_nd (two
-// kernels, 3.2 us) took 1.32x this copy's time (kernel_checks.md, eighty-seventh round).
+// count, and V 2 at low sparsity, where the dense path had run); at::constant_pad_nd (two kernels,
+// 3.2 us) took 1.32x this copy's time (kernel_checks.md, eighty-seventh round). Since the copy lets
+// the next kernel launch early only where its CTAs take at most a quarter of the SMs
+// (pad_rows_kernel), the op takes 1.28-1.34x the time of aligned rows of the padded width by pair
+// and width (L16-R16 and L8-R4 too; 1.31x on the geometric mean of 578 cells, 1.01-1.75x by cell;
+// eighty-eighth round).
 at::Tensor padded_rows(const at::Tensor& b, cudaStream_t stream) {
   const int64_t row_bytes = b.size(2) * b.element_size(), padded_bytes = (row_bytes + 15) / 16 * 16;
   if (padded_bytes == row_bytes) return magicube::aligned16(b);

@@ -375,8 +375,8 @@ def test_resident_cta_warps(kernels, monkeypatch, a_bits, b_bits, v, bh, warps):
 # on rows of seven blocks (M = K = 4096, sparsity 0.95) nor on a grid of 256 CTAs; rows of at most
 # two blocks from 7/4 CTAs an SM (256 here: GPUs of up to 146 SMs; 384 on rows of 96 bytes: up to
 # 219), but not on 128 CTAs (GPUs of 74 SMs or more) nor on 8-bit B's narrow tile; rows of four
-# blocks from 21/8 CTAs an SM on the wide tile (384 here: up to 146 SMs); `merged` merges wherever M
-# is a multiple of 8, `gather` never.
+# blocks from 21/8 CTAs an SM on the wide tile and with 4-bit B under 12- and 16-bit A (384 here: up
+# to 146 SMs); `merged` merges wherever M is a multiple of 8, `gather` never.
 MERGE_CASES = {
     "L8-R8": (8, 8, 2, 0.98, 4096, 256, "auto", True),
     "L16-R4-fp16": (16, 4, 2, 0.98, 4096, 256, True, torch.float16, "auto", True),
