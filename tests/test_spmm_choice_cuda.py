@@ -83,15 +83,21 @@ def _kernels_run(*shape, call=None):
     return [e.name for e in prof.events()]
 
 
+def _gather_args(name):
+    """A launched gather kernel's template arguments, by name: AB, AS, BB, TB, STACK, MERGE,
+    PAIR_RING."""
+    args = name.split(WAY_KERNELS["gather"])[1].split(">")[0].split(", ")
+    return dict(zip(("AB", "AS", "BB", "TB", "STACK", "MERGE", "PAIR_RING"), args, strict=True))
+
+
 def _gather_instance(*shape):
     """The template arguments of the one gather kernel that a call launched (_problem's
-    arguments), by name: AB, AS, BB, TB, STACK, MERGE, PAIR_RING."""
+    arguments; _gather_args)."""
     names = _kernels_run(*shape)
     gathers = [name for name in names if WAY_KERNELS["gather"] in name]
     others = [name for name in names for way in ("resident", "dense") if WAY_KERNELS[way] in name]
     assert len(gathers) == 1 and not others, names
-    args = gathers[0].split(WAY_KERNELS["gather"])[1].split(">")[0].split(", ")
-    return dict(zip(("AB", "AS", "BB", "TB", "STACK", "MERGE", "PAIR_RING"), args, strict=True))
+    return _gather_args(gathers[0])
 
 
 def _ways_run(*shape, call=None):
@@ -427,8 +433,7 @@ UNMERGED_CASES = {
 def test_merged_rows_left_out(kernels, shape):
     """No gather kernel that the call launched merges rows (its MERGE argument)."""
     names = _kernels_run(*shape)
-    merges = [name.split(WAY_KERNELS["gather"])[1].split(">")[0].split(", ")[5] == "true"
-              for name in names if WAY_KERNELS["gather"] in name]
+    merges = [_gather_args(name)["MERGE"] == "true" for name in names if WAY_KERNELS["gather"] in name]
     assert names and not any(merges), names
 
 
