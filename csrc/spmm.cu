@@ -232,14 +232,33 @@ void launch_gather(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, 
 // N 16-64, BH 1-16, 992 cells), 0.85x and 0.83x the narrow tile's time with 8- and 16-bit A on rows
 // of 64 bytes (0.67-1.00x by cell; L8-R8 at M = K 4096, N 64, V 8, sparsity 0.9: 6.36 -> 5.17 us),
 // 0.89x and 0.86x on rows of 32, 0.94-0.97x on rows of 16 and 48 (up to 1.05x; eighty-sixth round).
+// Rows of more than one tile whose last tile would be at most half full take the tile of half the
+// width where the bytes it leaves empty are fewer by more than the smaller tile costs: 8-, 16-bit
+// and fp16 B's rows of 257-384 and 513-640 bytes the narrow tile, 4-bit B's rows of 129-192 bytes
+// the quarter tile (not under 4-bit A). On an H200, every way forced (M = K 1024-4096, V 2 / 4 / 8,
+// sparsity 0.7-0.98), the gather kernel on the narrow tile took 0.84-0.94x the wide tile's time on
+// rows of 320 and 384 bytes by pair and V, 0.93-0.98x on 640, 0.99-1.16x on 192 (one wide tile,
+// two narrow ones); 4-bit B's on the quarter tile 0.90-0.98x the narrow tile's on rows of 160 and
+// 192 bytes, 0.98-1.09x on 320. In an A/B over 2844 fresh cells (M = K 1280-3584, V 2 / 4 / 8,
+// sparsity 0.75-0.97, BH 1 and 4) the choice took 0.943x the time on the 1930 cells the rule moves
+// (0.69-1.11x by cell; L16-R8 0.916x, fp16 0.903x, L8-R8 0.940x, L16-R16 0.947x, L16-R4 0.962x,
+// L12-R4 0.976x, L8-R4 0.984x), and L4-R4's 0.999x (up to 1.20x) on the quarter tile
+// (kernel_checks.md, ninety-third round).
 // Returns what `f.template operator()<TB>()` returns with that tile TB.
 template <int AB, bool AS, int BB, class F>
 decltype(auto) on_tile(const Params& p, F&& f) {
   namespace sd = magicube::spmm_detail;
+  constexpr int quarter = sd::kQuarterTileBytes, narrow = sd::kNarrowTileBytes, wide = sd::kWideTileBytes;
+  const int64_t rb = p.row_bytes;
+  // Whether rows past one `tile`, of at most `most` bytes, end in a tile at most half full.
+  const auto half_empty_end = [rb](int64_t tile, int64_t most) {
+    return rb > tile && rb <= most && rb % tile != 0 && 2 * (rb % tile) <= tile;
+  };
   if constexpr (BB == 8 || BB == 4) {
-    if (p.row_bytes <= sd::kQuarterTileBytes) return f.template operator()<sd::kQuarterTileBytes>();
+    if (rb <= quarter || (BB == 4 && AB != 4 && half_empty_end(narrow, 3 * narrow / 2)))
+      return f.template operator()<quarter>();
   }
-  if (p.row_bytes <= sd::kNarrowTileBytes) return f.template operator()<sd::kNarrowTileBytes>();
+  if (rb <= narrow || (BB != 4 && half_empty_end(wide, 5 * wide / 2))) return f.template operator()<narrow>();
   return f.template operator()<sd::Kind<AB, AS, BB>::kTileBytes>();
 }
 

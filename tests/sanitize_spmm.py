@@ -90,13 +90,14 @@ def main() -> int:
                 bad += 1
                 print(f"MISMATCH resident, 4-warp CTAs: v={v} a_bits={a_bits} b_bits={b_bits} signed={a_signed}")
     # V 2 rows merged four at a time, an empty row and a full one among them: the union in one
-    # window, and (the longest row understated) in windows of 32 columns.
+    # window, and (the longest row understated) in windows of 32 columns; N = 272 on three narrow
+    # tiles of 8-bit B (on_tile), five of 16-bit B.
     os.environ["MAGICUBE_SPMM_KERNEL"] = "merged"
     mask = random_vector_mask(16, 130, 2, 0.7, seed=4).mask.clone()
     mask[1], mask[6] = False, True
     vm = VectorMask(mask, 2)
     p = SRBCRS.from_mask(vm, stride=32)
-    for n, hint in ((64, p.longest_row), (160, 0)):
+    for n, hint in ((64, p.longest_row), (160, 0), (272, p.longest_row)):
         for a_bits, b_bits, a_signed in KINDS:
             if not check(g, p, vm.to_dense(), 2, 130, n, 2, a_bits, b_bits, a_signed, hint):
                 bad += 1
@@ -104,13 +105,14 @@ def main() -> int:
     # The gather kernel's paired steps (every kind but 4-bit B under 4-bit A; the quarter, narrow
     # and wide tiles, the wide one's 8-bit A and B and 16-bit A and B on the ring of five here) on
     # a row of 70 blocks, whose column indices past the 44-64 blocks copied to shared memory
-    # come from global memory, an empty row and one of 4 blocks.
+    # come from global memory, an empty row and one of 4 blocks; N = 272 on rows of several narrow
+    # tiles (8- and 16-bit B) and quarter tiles (4-bit B; on_tile).
     os.environ["MAGICUBE_SPMM_KERNEL"] = "gather"
     mask = torch.zeros(3, 2240, dtype=torch.bool)
     mask[1], mask[2, :100] = True, True
     vm = VectorMask(mask, 8)
     p = SRBCRS.from_mask(vm, stride=32)
-    for n in (48, 128, 160):
+    for n in (48, 128, 160, 272):
         for a_bits, b_bits, a_signed in KINDS:
             if not check(g, p, vm.to_dense(), 2, 2240, n, 8, a_bits, b_bits, a_signed):
                 bad += 1

@@ -328,8 +328,11 @@ def test_stacked_planes(kernels, monkeypatch, case):
 
 # (a_bits, b_bits, V, sparsity, M = K, N, the gather kernel's tile TB in bytes): rows of at most 64
 # bytes of 8- and 4-bit B take the quarter tile (on_tile), rows of 65-128 bytes the narrow one;
-# 8-bit B's rows of 256 bytes the wide one (4-bit B's tile is 128 bytes at most). Rows not on 16
-# bytes take the tile of their padded width (spmm_cuda pads them).
+# 8-bit B's rows of 256 bytes the wide one (4-bit B's tile is 128 bytes at most). Rows whose last
+# tile would be at most half full take the tile of half the width: 8- and 16-bit B's rows of
+# 257-384 and 513-640 bytes the narrow tile, 4-bit B's of 129-192 bytes the quarter tile (not under
+# 4-bit A); not rows whose last tile is fuller (448 bytes) or of more tiles (896 bytes; 4-bit B's
+# 320). Rows not on 16 bytes take the tile of their padded width (spmm_cuda pads them).
 TILE_CASES = {
     "L8-R4-64-byte-rows": (8, 4, 8, 0.9, 1024, 128, 64),
     "L16-R4-32-byte-rows": (16, 4, 4, 0.9, 1024, 64, 64),
@@ -342,6 +345,16 @@ TILE_CASES = {
     "L16-R8-120-byte-rows": (16, 8, 4, 0.9, 1024, 120, 128),
     "L8-R4-50-byte-rows": (8, 4, 8, 0.9, 1024, 100, 64),
     "L16-R16-200-byte-rows": (16, 16, 8, 0.9, 1024, 100, 256),
+    "L8-R8-384-byte-rows": (8, 8, 8, 0.9, 1024, 384, 128),
+    "L16-R8-288-byte-rows": (16, 8, 4, 0.9, 1024, 288, 128),
+    "L8-R8-640-byte-rows": (8, 8, 2, 0.9, 1024, 640, 128),
+    "L16-R16-384-byte-rows": (16, 16, 8, 0.9, 1024, 192, 128),
+    "L8-R8-448-byte-rows": (8, 8, 8, 0.9, 1024, 448, 256),
+    "L8-R8-896-byte-rows": (8, 8, 8, 0.9, 1024, 896, 256),
+    "L8-R4-192-byte-rows": (8, 4, 8, 0.9, 1024, 384, 64),
+    "L16-R4-136-byte-rows": (16, 4, 2, 0.9, 1024, 272, 64),
+    "L4-R4-192-byte-rows": (4, 4, 8, 0.9, 1024, 384, 128),
+    "L8-R4-320-byte-rows": (8, 4, 8, 0.9, 1024, 640, 128),
 }
 
 
