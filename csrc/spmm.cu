@@ -239,10 +239,12 @@ void launch_gather(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, 
 // sparsity 0.7-0.98), the gather kernel on the narrow tile took 0.84-0.94x the wide tile's time on
 // rows of 320 and 384 bytes by pair and V, 0.93-0.98x on 640, 0.99-1.16x on 192 (one wide tile,
 // two narrow ones); 4-bit B's on the quarter tile 0.90-0.98x the narrow tile's on rows of 160 and
-// 192 bytes, 0.98-1.09x on 320. In an A/B over 2844 fresh cells (M = K 1280-3584, V 2 / 4 / 8,
+// 192 bytes, 0.96-1.09x on 320. In an A/B over 2844 fresh cells (M = K 1280-3584, V 2 / 4 / 8,
 // sparsity 0.75-0.97, BH 1 and 4) the choice took 0.943x the time on the 1930 cells the rule moves
 // (0.69-1.11x by cell; L16-R8 0.916x, fp16 0.903x, L8-R8 0.940x, L16-R16 0.947x, L16-R4 0.962x,
-// L12-R4 0.976x, L8-R4 0.984x), and L4-R4's 0.999x (up to 1.20x) on the quarter tile
+// L12-R4 0.976x, L8-R4 0.984x), and L4-R4's 0.999x (up to 1.20x) on the quarter tile. Off the
+// grid (bench_spmm --off-grid) fp16's smallest such problems (2-3.5 us) took up to 1.12x, and
+// L12-R4 at V 4, whose digits stack on the narrow tile but not on the quarter one, 1.13x
 // (kernel_checks.md, ninety-third round).
 // Returns what `f.template operator()<TB>()` returns with that tile TB.
 template <int AB, bool AS, int BB, class F>
