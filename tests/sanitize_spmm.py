@@ -106,7 +106,7 @@ def main() -> int:
     # and wide tiles, the wide one's 8-bit A and B and 16-bit A and B on the ring of five here) on
     # a row of 70 blocks, whose column indices past the 44-64 blocks copied to shared memory
     # come from global memory, an empty row and one of 4 blocks; N = 272 on rows of several narrow
-    # tiles (8- and 16-bit B) and quarter tiles (4-bit B; on_tile).
+    # tiles (8- and 16-bit B, 4-bit B under 4-bit A) and quarter tiles (4-bit B; on_tile).
     os.environ["MAGICUBE_SPMM_KERNEL"] = "gather"
     mask = torch.zeros(3, 2240, dtype=torch.bool)
     mask[1], mask[2, :100] = True, True

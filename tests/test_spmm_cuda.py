@@ -21,9 +21,10 @@ KINDS = [(8, 8, True), (8, 8, False), (4, 4, True), (4, 4, False), (16, 8, True)
 KIND_IDS = [f"L{a}{'' if s else 'u'}-R{b}" for a, b, s in KINDS]
 
 # (BH, M/V, K, N): K and N multiples of no tile; N = 100 has dense rows not on 16 bytes for every
-# width (padded by the op); N = 272 is aligned with a partial last tile; N = 48 and
-# 128 take the gather kernel's small tiles, partly and wholly filled: the quarter tile (rows of at
-# most 64 bytes of 8- and 4-bit B), the narrow one (at most 128 bytes).
+# width (padded by the op); N = 272 is aligned with a partial last tile, rows of several of the
+# smaller tiles (on_tile: the narrow one of 8- and 16-bit B, the quarter one of 4-bit B but under
+# 4-bit A); N = 48 and 128 take the gather kernel's small tiles, partly and wholly filled: the
+# quarter tile (rows of at most 64 bytes of 8- and 4-bit B), the narrow one (at most 128 bytes).
 SHAPES = [(1, 7, 333, 100), (3, 5, 97, 272), (1, 1, 40, 2), (3, 9, 700, 36), (2, 6, 300, 48), (1, 4, 130, 128)]
 
 
