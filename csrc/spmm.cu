@@ -88,6 +88,12 @@ void launch_tiles(const Params& p, int64_t vrows, int64_t bh, cudaStream_t strea
 // columns, 16 KB of 16-bit values).
 constexpr int64_t kMergeBlocks = 32;
 
+// Whether rows of `row_bytes` past one `tile`, of at most `most` bytes, end in a tile at most half
+// full (on_tile, launch_merged).
+bool half_empty_end(int64_t row_bytes, int64_t tile, int64_t most) {
+  return row_bytes > tile && row_bytes <= most && row_bytes % tile != 0 && 2 * (row_bytes % tile) <= tile;
+}
+
 // The gather kernel on V 2 rows merged four at a time (spmm_kernel.cuh: MergedRows), where
 // p.merge_blocks says it applies (V 2, M a multiple of 8), its shared memory fits and it is asked
 // for or pays: rows of B of a narrow tile or more (128 bytes; with 4-bit B, below, past the quarter
@@ -115,8 +121,13 @@ constexpr int64_t kMergeBlocks = 32;
 // sparsity 0.9-0.99, two sets of masks) the 244 cells that move took 0.892x the time of the choice
 // before (0.69-1.30x; measured on the second set against the build before, 0.907x); merging took
 // 1.05x at 2.25-21/8 CTAs an SM, 1.12x on 8- and 16-bit B's narrow tile, 1.04x with 4-bit B under
-// 4- and 8-bit A and 1.12x on 8- and 16-bit B's rows under 128 bytes (ninety-second round). It runs
-// before the resident-B kernel (launch_integer).
+// 4- and 8-bit A and 1.12x on 8- and 16-bit B's rows under 128 bytes (ninety-second round). 4-bit
+// B's rows whose last narrow tile would be at most half full (129-192 bytes) merge only under rows
+// of A of at most two blocks: under three and four the resident kernel took 0.74-0.94x the merged
+// rows' time by A and rows (every way forced on 2088 V 2 cells of 4-bit B, H200), and in an A/B
+// over 2100 fresh cells (M = K 1280-3840, sparsity 0.9-0.985, BH 1, 4 and 8) the 480 cells that
+// move took 0.79-0.84x the time by pair (0.55-1.18x by cell; at M = K = 1792, BH 1, 1.07x;
+// ninety-fourth round). It runs before the resident-B kernel (launch_integer).
 // Returns whether it ran.
 template <int AB, bool AS, int BB, int TB>
 bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice) {
@@ -132,10 +143,14 @@ bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, 
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     // 4-bit B's rows past the quarter tile (under 8-bit A, of a narrow tile or more, as 8- and
     // 16-bit B's).
-    const int64_t least_row = BB == 4 && AB != 8 ? sd::kQuarterTileBytes + 1 : sd::kNarrowTileBytes;
+    constexpr int64_t narrow = sd::kNarrowTileBytes;
+    const int64_t least_row = BB == 4 && AB != 8 ? sd::kQuarterTileBytes + 1 : narrow;
     const bool wide = BB == 4 || TB == sd::kWideTileBytes;  // not 8- and 16-bit B's narrow tile
     const bool four_blocks = nnz_pad <= 4 * kSlots * vrows;
-    const bool pays = (BB != 4 || !p.out_int64) && p.row_bytes >= least_row &&
+    // 4-bit B's rows whose last narrow tile would be at most half full (129-192 bytes), under rows
+    // of A of more than two blocks, leave the merged rows to the resident kernel.
+    const bool half_empty = BB == 4 && half_empty_end(p.row_bytes, narrow, 3 * narrow / 2) && nnz_pad > 2 * kSlots * vrows;
+    const bool pays = (BB != 4 || !p.out_int64) && p.row_bytes >= least_row && !half_empty &&
                       ((four_blocks && ctas >= 3 * sms) ||
                        (wide && nnz_pad <= 2 * kSlots * vrows && 4 * ctas >= 7 * sms) ||
                        (wide && (AB >= 12 || BB >= 8) && four_blocks && 8 * ctas >= 21 * sms));
@@ -252,15 +267,11 @@ decltype(auto) on_tile(const Params& p, F&& f) {
   namespace sd = magicube::spmm_detail;
   constexpr int quarter = sd::kQuarterTileBytes, narrow = sd::kNarrowTileBytes, wide = sd::kWideTileBytes;
   const int64_t rb = p.row_bytes;
-  // Whether rows past one `tile`, of at most `most` bytes, end in a tile at most half full.
-  const auto half_empty_end = [rb](int64_t tile, int64_t most) {
-    return rb > tile && rb <= most && rb % tile != 0 && 2 * (rb % tile) <= tile;
-  };
   if constexpr (BB == 8 || BB == 4) {
-    if (rb <= quarter || (BB == 4 && AB != 4 && half_empty_end(narrow, 3 * narrow / 2)))
+    if (rb <= quarter || (BB == 4 && AB != 4 && half_empty_end(rb, narrow, 3 * narrow / 2)))
       return f.template operator()<quarter>();
   }
-  if (rb <= narrow || (BB != 4 && half_empty_end(wide, 5 * wide / 2))) return f.template operator()<narrow>();
+  if (rb <= narrow || (BB != 4 && half_empty_end(rb, wide, 5 * wide / 2))) return f.template operator()<narrow>();
   return f.template operator()<sd::Kind<AB, AS, BB>::kTileBytes>();
 }
 

@@ -413,6 +413,9 @@ MERGE_CASES = {
     "L8-R8-short-rows-narrow-tile": (8, 8, 2, 0.98, 2048, 128, "auto", False),
     "L16-R4-fp16-rows-of-96-bytes": (16, 4, 2, 0.985, 3072, 192, True, torch.float16, "auto", True),
     "L16-R8-four-blocks": pytest.param((16, 8, 2, 0.96, 3072, 256, "auto", True), marks=merged_grid),
+    # 4-bit B's rows of 160 bytes (the last narrow tile a quarter full) under rows of A of two blocks
+    # (768 merged CTAs: GPUs of up to 256 SMs).
+    "L4-R4-fp16-rows-of-160-bytes-two-blocks": (4, 4, 2, 0.98, 3072, 320, True, torch.float16, "auto", True),
     "L8-R8-merged": (8, 8, 2, 0.9, 1024, 64, "merged", True),
     "L8-R8-merged-m-not-multiple-of-8": (8, 8, 2, 0.9, 1004, 64, "merged", False),
     "L8-R8-gather": (8, 8, 2, 0.98, 4096, 256, "gather", False),
@@ -432,13 +435,16 @@ def test_merged_rows(kernels, monkeypatch, case):
 # (a_bits, b_bits, V, sparsity, M = K, N[, A signed, output dtype]) where V 2 rows do not merge,
 # whichever way runs instead (launch_merged): 8-bit B's rows of 96 bytes and 4-bit B's under 8-bit
 # A; rows of four blocks on 384 merged CTAs (under three an SM on GPUs of over 128 SMs) on 16-bit
-# B's narrow tile and with 4-bit B under 8-bit A.
+# B's narrow tile and with 4-bit B under 8-bit A; 4-bit B's rows of 129-192 bytes under rows of A of
+# three and four blocks (on 768 merged CTAs, which would pay).
 over_three_an_sm = pytest.mark.skipif(not sms > 128, reason="384 merged CTAs are three an SM on up to 128 SMs")
 UNMERGED_CASES = {
     "L8-R8-rows-of-96-bytes": (8, 8, 2, 0.985, 3072, 96),
     "L8-R4-fp16-rows-of-96-bytes": (8, 4, 2, 0.985, 3072, 192, True, torch.float16),
     "L16-R16-four-blocks-narrow-tile": pytest.param((16, 16, 2, 0.96, 3072, 64), marks=over_three_an_sm),
     "L8-R4-fp16-four-blocks": pytest.param((8, 4, 2, 0.96, 3072, 256, True, torch.float16), marks=over_three_an_sm),
+    "L4-R4-fp16-rows-of-160-bytes-three-blocks": (4, 4, 2, 0.97, 3072, 320, True, torch.float16),
+    "L16-R4-fp16-rows-of-192-bytes-four-blocks": (16, 4, 2, 0.96, 3072, 384, True, torch.float16),
 }
 
 
