@@ -83,10 +83,15 @@ def _kernels_run(*shape, call=None):
     return [e.name for e in prof.events()]
 
 
+def _template_args(name, way):
+    """The template arguments of a launched kernel of `way` (WAY_KERNELS), in order, from its name."""
+    return name.split(WAY_KERNELS[way])[1].split(">")[0].split(", ")
+
+
 def _gather_args(name):
     """A launched gather kernel's template arguments, by name: AB, AS, BB, TB, STACK, MERGE,
     PAIR_RING."""
-    args = name.split(WAY_KERNELS["gather"])[1].split(">")[0].split(", ")
+    args = _template_args(name, "gather")
     return dict(zip(("AB", "AS", "BB", "TB", "STACK", "MERGE", "PAIR_RING"), args, strict=True))
 
 
@@ -384,7 +389,7 @@ def test_resident_cta_warps(kernels, monkeypatch, a_bits, b_bits, v, bh, warps):
     assert torch.equal(call(), reference)
     names = [name for name in _kernels_run(call=call) if WAY_KERNELS["resident"] in name]
     assert len(names) == 1, names
-    assert names[0].split(WAY_KERNELS["resident"])[1].split(">")[0].split(", ")[-1] == str(warps)
+    assert _template_args(names[0], "resident")[-1] == str(warps)
 
 
 # (a_bits, b_bits, V, sparsity, M = K, N[, A signed, output dtype], MAGICUBE_SPMM_KERNEL, whether
