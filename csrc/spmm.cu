@@ -149,7 +149,8 @@ bool launch_merged(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, 
     const bool four_blocks = nnz_pad <= 4 * kSlots * vrows;
     // 4-bit B's rows whose last narrow tile would be at most half full (129-192 bytes), under rows
     // of A of more than two blocks, leave the merged rows to the resident kernel.
-    const bool half_empty = BB == 4 && half_empty_end(p.row_bytes, narrow, 3 * narrow / 2) && nnz_pad > 2 * kSlots * vrows;
+    const bool half_empty =
+        BB == 4 && half_empty_end(p.row_bytes, narrow, 3 * narrow / 2) && nnz_pad > 2 * kSlots * vrows;
     const bool pays = (BB != 4 || !p.out_int64) && p.row_bytes >= least_row && !half_empty &&
                       ((four_blocks && ctas >= 3 * sms) ||
                        (wide && nnz_pad <= 2 * kSlots * vrows && 4 * ctas >= 7 * sms) ||
