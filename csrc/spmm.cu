@@ -784,21 +784,24 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
 }
 
 // An integer pair: the dense path where `dense` says so, else the merged rows (launch_merged) or
-// the resident-B kernel where they apply and pay, else the gather kernel. Where the dense path pays
-// too, the resident kernel is asked first, and the faster of the two by their estimates runs
-// (launch_resident): the dense model weighs the dense path against the gather kernel only, and on
-// rows of up to half a narrow tile the resident kernel beat both in most cells (N 32 and 64, both
-// chips: 1.1-1.9x faster than the dense path in the 10 cells a chip where the model took it).
+// the resident-B kernel where they apply and pay, else the gather kernel. On rows of at most half a
+// narrow tile, and on every row it takes from BH 4, the resident kernel is asked first where the
+// dense path pays too, and the faster of the two by their estimates runs (launch_resident): the
+// dense model weighs the dense path against the gather kernel only, and on the narrower rows the
+// resident kernel beat both in most cells (N 32 and 64, both chips: 1.1-1.9x faster than the dense
+// path in the 10 cells a chip where the model took it).
 // Until the eighty-ninth round the dense path ran first only where its estimate was under 0.6 of
 // the gather kernel's: over 3970 cells of such rows (resident_us) that choice took 1.024x the
 // fastest way's time on the geometric mean, and by the two estimates 1.013x; the 251 cells that
 // moved took 0.84x the time (0.56-1.37x by cell; at V 2, sparsity 0.5-0.8, M = K 1024-4096, BH 1
-// and 4: 1.038x the fastest way's time before, 1.012x since). Wider rows (8-bit B's of 65-128
-// bytes, 4-bit B's of 65-256) ran the dense path wherever it paid until the ninety-fifth round:
-// weighed there too, all cells took 0.993x and 0.991x the time over two sets of 5793 and 3240 (H200,
-// V 2 / 4 / 8, BH 1 and 4, sparsity 0.5-0.95), those whose time moved past 3 % 0.92x and 0.85x (0.99x
-// and 0.97x at BH 1, 0.89x and 0.81x at BH 4; 0.51-1.40x by cell). A forced dense path
-// never tries the resident kernel (launch_resident). The merged rows come before the resident
+// and 4: 1.038x the fastest way's time before, 1.012x since). On wider rows (8-bit B's of 65-128
+// bytes, 4-bit B's of 65-256) the dense path ran wherever it paid until the ninety-fifth round;
+// weighed there too, at BH 4 the cells whose time moved past 3 % took 0.89x and 0.81x the time over
+// two sets (213 of 2879 and 125 of 1620 cells; H200, V 2 / 4 / 8, sparsity 0.5-0.95), but at BH 1
+// the sweep's cells so reached lost (1.003x over 600, up to 1.23x: L4-R4 and L8-R4 at V 2, N 512,
+// sparsity 0.95, M = K = 4096, where the resident kernel took 1.22x the dense path's time in the
+// `--ways` sweep), so BH 1 keeps the old order. A forced dense path never tries the resident kernel
+// (launch_resident). The merged rows come before the resident
 // kernel where they pay: with 4-bit B wherever both paid they took 0.65-0.91x its time (the
 // fifty-third round's `--ways` sweep: V 2, M = K 2048 and 4096, N 512, sparsity 0.95 and 0.98), and
 // the 4-bit B pairs' cells of the sweep at M = K 1024-4096 took 0.993-0.997x the time by pair (A/B,
@@ -815,8 +818,10 @@ void launch_integer(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad,
   };
   if (!dense && on_tile<AB, AS, BB>(p, merged)) return;
   if constexpr (BB == 8 || BB == 4) {
+    const bool resident_first = bh >= 4 || 2 * p.row_bytes <= magicube::spmm_detail::kNarrowTileBytes;
     const double dense_us = dense ? against_resident<AB>(dense->us, bh) : std::numeric_limits<double>::infinity();
-    if (launch_resident<AB, AS, BB>(p, vrows, bh, nnz_pad, stream, choice, dense_us)) return;
+    if ((!dense || resident_first) && launch_resident<AB, AS, BB>(p, vrows, bh, nnz_pad, stream, choice, dense_us))
+      return;
   }
   if (dense) return run_dense<AB, BB>(p, *dense, vrows, bh, AS, stream);
   launch<AB, AS, BB>(p, vrows, bh, nnz_pad, stream, choice, a_bits);
