@@ -800,14 +800,14 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
 // two sets (213 of 2879 and 125 of 1620 cells; H200, V 2 / 4 / 8, sparsity 0.5-0.95), but at BH 1
 // the sweep's cells so reached lost (1.003x over 600, up to 1.23x: L4-R4 and L8-R4 at V 2, N 512,
 // sparsity 0.95, M = K = 4096, where the resident kernel took 1.22x the dense path's time in the
-// `--ways` sweep), so BH 1 keeps the old order. A forced dense path never tries the resident kernel
-// (launch_resident). The merged rows come before the resident
-// kernel where they pay: with 4-bit B wherever both paid they took 0.65-0.91x its time (the
-// fifty-third round's `--ways` sweep: V 2, M = K 2048 and 4096, N 512, sparsity 0.95 and 0.98), and
-// the 4-bit B pairs' cells of the sweep at M = K 1024-4096 took 0.993-0.997x the time by pair (A/B,
-// H200; BH 4: 0.986-0.992x; fifty-fourth round); with 8-bit B of N 128, where both pay at BH 4 and
-// 16 (V 2, M = K 512-2048, sparsity 0.9-0.98), 0.51-0.95x in the 15 such cells of the 288 of L8-R8
-// and L16-R8 measured with every way forced at BH 1, 4 and 16 (fifty-sixth round).
+// `--ways` sweep), so BH 1-3 keep the old order. A forced dense path never tries the resident
+// kernel (launch_resident). The merged rows come before the resident kernel where they pay: with
+// 4-bit B wherever both paid they took 0.65-0.91x its time (the fifty-third round's `--ways` sweep:
+// V 2, M = K 2048 and 4096, N 512, sparsity 0.95 and 0.98), and the 4-bit B pairs' cells of the
+// sweep at M = K 1024-4096 took 0.993-0.997x the time by pair (A/B, H200; BH 4: 0.986-0.992x;
+// fifty-fourth round); with 8-bit B of N 128, where both pay at BH 4 and 16 (V 2, M = K 512-2048,
+// sparsity 0.9-0.98), 0.51-0.95x in the 15 such cells of the 288 of L8-R8 and L16-R8 measured with
+// every way forced at BH 1, 4 and 16 (fifty-sixth round).
 template <int AB, bool AS, int BB>
 void launch_integer(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, int64_t a_bits,
                     Choice choice, const std::optional<Dense>& dense) {
