@@ -785,7 +785,7 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
 
 // An integer pair: the dense path where `dense` says so, else the merged rows (launch_merged) or
 // the resident-B kernel where they apply and pay, else the gather kernel. On rows of at most half a
-// narrow tile, and on every row it takes from BH 4, the resident kernel is asked first where the
+// narrow tile, and on every row it takes at BH 2-15, the resident kernel is asked first where the
 // dense path pays too, and the faster of the two by their estimates runs (launch_resident): the
 // dense model weighs the dense path against the gather kernel only, and on the narrower rows the
 // resident kernel beat both in most cells (N 32 and 64, both chips: 1.1-1.9x faster than the dense
@@ -800,14 +800,17 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
 // two sets (213 of 2879 and 125 of 1620 cells; H200, V 2 / 4 / 8, sparsity 0.5-0.95), but at BH 1
 // the sweep's cells so reached lost (1.003x over 600, up to 1.23x: L4-R4 and L8-R4 at V 2, N 512,
 // sparsity 0.95, M = K = 4096, where the resident kernel took 1.22x the dense path's time in the
-// `--ways` sweep), so BH 1-3 keep the old order. A forced dense path never tries the resident
-// kernel (launch_resident). The merged rows come before the resident kernel where they pay: with
-// 4-bit B wherever both paid they took 0.65-0.91x its time (the fifty-third round's `--ways` sweep:
-// V 2, M = K 2048 and 4096, N 512, sparsity 0.95 and 0.98), and the 4-bit B pairs' cells of the
-// sweep at M = K 1024-4096 took 0.993-0.997x the time by pair (A/B, H200; BH 4: 0.986-0.992x;
-// fifty-fourth round); with 8-bit B of N 128, where both pay at BH 4 and 16 (V 2, M = K 512-2048,
-// sparsity 0.9-0.98), 0.51-0.95x in the 15 such cells of the 288 of L8-R8 and L16-R8 measured with
-// every way forced at BH 1, 4 and 16 (fifty-sixth round).
+// `--ways` sweep), so BH 1 keeps the old order. At BH 2 and 3 (ninety-sixth round) the moved cells
+// took 0.94x and 0.87x the time (52 and 61 of 990 each), at BH 8 0.98x (77), but at BH 16 1.04x
+// (74: in 35 the resident kernel ran where the dense path was 1.19x faster), so from BH 16 the
+// dense path runs first again. A forced dense path never tries the resident kernel
+// (launch_resident). The merged rows come before the resident kernel where they pay: with 4-bit B
+// wherever both paid they took 0.65-0.91x its time (the fifty-third round's `--ways` sweep: V 2,
+// M = K 2048 and 4096, N 512, sparsity 0.95 and 0.98), and the 4-bit B pairs' cells of the sweep at
+// M = K 1024-4096 took 0.993-0.997x the time by pair (A/B, H200; BH 4: 0.986-0.992x; fifty-fourth
+// round); with 8-bit B of N 128, where both pay at BH 4 and 16 (V 2, M = K 512-2048, sparsity
+// 0.9-0.98), 0.51-0.95x in the 15 such cells of the 288 of L8-R8 and L16-R8 measured with every way
+// forced at BH 1, 4 and 16 (fifty-sixth round).
 template <int AB, bool AS, int BB>
 void launch_integer(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, int64_t a_bits,
                     Choice choice, const std::optional<Dense>& dense) {
@@ -818,7 +821,8 @@ void launch_integer(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad,
   };
   if (!dense && on_tile<AB, AS, BB>(p, merged)) return;
   if constexpr (BB == 8 || BB == 4) {
-    const bool resident_first = bh >= 4 || 2 * p.row_bytes <= magicube::spmm_detail::kNarrowTileBytes;
+    const bool resident_first =
+        (bh >= 2 && bh < 16) || 2 * p.row_bytes <= magicube::spmm_detail::kNarrowTileBytes;
     const double dense_us = dense ? against_resident<AB>(dense->us, bh) : std::numeric_limits<double>::infinity();
     if ((!dense || resident_first) && launch_resident<AB, AS, BB>(p, vrows, bh, nnz_pad, stream, choice, dense_us))
       return;

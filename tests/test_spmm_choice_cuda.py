@@ -268,6 +268,13 @@ BATCHED_CASES = [
     resident_or_dense((16, 8, 2, 0.9, 3072, 128), 4, "resident", "resident-before-dense-128-byte-rows-bh4"),
     resident_or_dense((8, 8, 2, 0.7, 2048, 112), 4, "dense", "dense-before-resident-112-byte-rows-bh4"),
     resident_or_dense((8, 4, 2, 0.6, 2048, 256), 4, "dense", "dense-before-resident-4-bit-b-128-byte-rows-bh4"),
+    resident_or_dense((16, 8, 4, 0.7, 4096, 96), 2, "resident", "resident-before-dense-96-byte-rows-bh2"),
+    resident_or_dense((8, 8, 4, 0.8, 4096, 96), 2, "resident", "resident-before-dense-8-bit-a-96-byte-rows-bh2"),
+    resident_or_dense((16, 4, 4, 0.7, 2048, 256), 3, "resident", "resident-before-dense-4-bit-b-128-byte-rows-bh3"),
+    resident_or_dense((12, 4, 4, 0.7, 2048, 256), 3, "resident", "resident-before-dense-12-bit-a-128-byte-rows-bh3"),
+    pytest.param((8, 8, 2, 0.9, 1024, 128), 16, "dense", id="dense-first-128-byte-rows-bh16", marks=wgmma_estimate),
+    pytest.param((8, 8, 4, 0.5, 1024, 128), 16, "dense", id="dense-first-128-byte-rows-v4-bh16", marks=wgmma_estimate),
+    pytest.param((16, 8, 2, 0.7, 1024, 128), 16, "dense", id="dense-first-16-bit-a-bh16", marks=wgmma_estimate),
 ]
 
 
