@@ -800,10 +800,13 @@ void run_dense(const Params& p, const Dense& dense, int64_t vrows, int64_t bh, b
 // two sets (213 of 2879 and 125 of 1620 cells; H200, V 2 / 4 / 8, sparsity 0.5-0.95), but at BH 1
 // the sweep's cells so reached lost (1.003x over 600, up to 1.23x: L4-R4 and L8-R4 at V 2, N 512,
 // sparsity 0.95, M = K = 4096, where the resident kernel took 1.22x the dense path's time in the
-// `--ways` sweep), so BH 1 keeps the old order. At BH 2 and 3 (ninety-sixth round) the moved cells
-// took 0.94x and 0.87x the time (52 and 61 of 990 each), at BH 8 0.98x (77), but at BH 16 1.04x
-// (74: in 35 the resident kernel ran where the dense path was 1.19x faster), so from BH 16 the
-// dense path runs first again. A forced dense path never tries the resident kernel
+// `--ways` sweep), so BH 1 keeps the old order. At BH 2 and 3 (ninety-sixth round) the cells that
+// moved past 3 % took 0.94x and 0.87x the time (52 and 61 of 990 each; V 2 / 4 / 8, sparsity
+// 0.5-0.95, M = K 1024-4096) and 0.87x and 0.79x on cells the rule had not seen (12 and 18 of 288;
+// M = K 1536 and 3072), at BH 8 0.98x (77 of 990); but at BH 16 1.04x on the first set (74: in 35
+// the resident kernel ran where the dense path was 1.19x faster) and 0.90x on the second (10), and
+// at BH 24 1.29x (34 of 288; up to 2.0x with 12- and 16-bit A on 4-bit B at V 2 and 4), so from BH
+// 16 the dense path runs first again. A forced dense path never tries the resident kernel
 // (launch_resident). The merged rows come before the resident kernel where they pay: with 4-bit B
 // wherever both paid they took 0.65-0.91x its time (the fifty-third round's `--ways` sweep: V 2,
 // M = K 2048 and 4096, N 512, sparsity 0.95 and 0.98), and the 4-bit B pairs' cells of the sweep at
