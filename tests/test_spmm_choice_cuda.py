@@ -231,11 +231,11 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
 # 3072, N 96, the resident kernel, 34.1 against 51.4 (before, the dense path, which took 1.66x its
 # time in a forced run); at V 2, sparsity 0.9, N 128: 29.0 against 45.5 (1.70x). L8-R8 at V 2,
 # sparsity 0.7, M = K = 2048, N 112, BH 4: the dense path, 17.4 against 32.7; L8-R4 at sparsity 0.6,
-# N 256: 21.4 against 56.5. Since the ninety-sixth round at BH 2 and 3 too: L16-R8 at V 4, sparsity
-# 0.7, M = K = 4096, N 96, the resident kernel, 28.9 against 46.7 at BH 2 and 44.6 against 66.1 at
-# BH 3; L8-R8 at BH 2, V 4, sparsity 0.8, N 96: 18.9 against 24.1; at BH 3, V 8, sparsity 0.7, N
-# 128: 25.9 against 39.6; L4-R4 at BH 3, V 8, sparsity 0.7, N 256: 33.7 against 45.8 (before, the
-# dense path in each). From BH 16 the dense path runs first again wherever it pays against the
+# N 256: 21.4 against 56.5. Since the ninety-sixth round at BH 2 and 3 too (M = K = 4096 in each):
+# L16-R8 at V 4, sparsity 0.7, N 96, the resident kernel, 28.9 against 46.7 at BH 2 and 44.6 against
+# 66.1 at BH 3; L8-R8 at BH 2, V 4, sparsity 0.8, N 96: 18.9 against 24.1; at BH 3, V 8, sparsity
+# 0.7, N 128: 25.9 against 39.6; L4-R4 at BH 3, V 8, sparsity 0.7, N 256: 33.7 against 45.8 (before,
+# the dense path in each). From BH 16 the dense path runs first again wherever it pays against the
 # gather kernel (weighed by 1.3): L8-R8 at M = K = 1024, N 128, V 2, sparsity 0.9, 23.6 against
 # 28.8, and V 4, sparsity 0.5, 33.9 against 54.2; L16-R8 at V 2, sparsity 0.7, 39.0 against 66.8
 # (before, the resident kernel in each).
