@@ -226,12 +226,12 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
 # 64: the dense path, 20.1 against 27.8; L16-R4 at sparsity 0.6, M = K = 2048, N 96, BH 4: 29.3
 # against 39.0 (the dense estimate 0.63 of the gather's, where before the dense path ran first
 # only under 0.6: the resident kernel, which took 1.33x the dense path's time in a forced run).
-# So do wider rows (8-bit B's of 65-128 bytes, 4-bit B's of 65-256) from BH 4, where until the
+# So do wider rows (8-bit B's of 65-128 bytes, 4-bit B's of 65-256) at BH 2-15, where until the
 # ninety-fifth round the dense path ran wherever it paid: L16-R8 at BH 4, V 4, sparsity 0.7, M = K =
 # 3072, N 96, the resident kernel, 34.1 against 51.4 (before, the dense path, which took 1.66x its
 # time in a forced run); at V 2, sparsity 0.9, N 128: 29.0 against 45.5 (1.70x). L8-R8 at V 2,
 # sparsity 0.7, M = K = 2048, N 112, BH 4: the dense path, 17.4 against 32.7; L8-R4 at sparsity 0.6,
-# N 256: 21.4 against 56.5. Since the ninety-sixth round at BH 2 and 3 too (M = K = 4096 in each):
+# N 256: 21.4 against 56.5. BH 2 and 3 since the ninety-sixth round (M = K = 4096 in each):
 # L16-R8 at V 4, sparsity 0.7, N 96, the resident kernel, 28.9 against 46.7 at BH 2 and 44.6 against
 # 66.1 at BH 3; L8-R8 at BH 2, V 4, sparsity 0.8, N 96: 18.9 against 24.1; at BH 3, V 8, sparsity
 # 0.7, N 128: 25.9 against 39.6; L4-R4 at BH 3, V 8, sparsity 0.7, N 256: 33.7 against 45.8 (before,
