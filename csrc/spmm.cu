@@ -320,6 +320,12 @@ double resident_us(double load_mb, double warp_kcolumns) {
 // - By the share of the narrow tile a row fills: an eighth from 6 KB, a quarter from 12 KB, half
 //   from 24 KB, a whole tile from 96 KB, two tiles from 48 KB (fortieth and forty-first rounds, H100
 //   and H200: 0.34-0.74 % over the faster kernel per row width on the sweep's cells).
+// - Rows of 65-96 bytes (`three_quarters`: three slices) count from 32 KB at BH 2 and up and where
+//   A keeps a quarter of its columns or more (ninety-seventh round: with 8-bit B the cells that
+//   moved took 0.85x the time by the ways forced over 2304 cells and 0.77x in an A/B over 1512 it
+//   had not seen; with 4-bit B 0.85x by the ways forced there). At BH 1 on sparser A the resident
+//   kernel, which loads all of B's slices, gained nothing (8-bit B 1.006x over 26 cells, up to
+//   1.26x; 4-bit B 1.056x over 24).
 // - 4-bit B's rows of at most 64 bytes run on the gather kernel's quarter tile and count against
 //   it: a quarter from 10 KB, half from 20 KB, more from 80 KB (eighty-fourth round: 1.014x the
 //   fastest way's time against 1.032x). 8-bit B's rows of 64 bytes, on that tile too, count from 60
@@ -396,6 +402,9 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
   // Rows of 48 bytes (three quarters of the quarter tile) where A's rows average eight blocks or more,
   // but 4-bit B's under 12- and 16-bit A.
   const bool long_48 = 4 * rb == 3 * quarter_tile && nnz_pad >= 8 * kSlots * vrows && (BB == 8 || AB <= 8);
+  // Rows of 65-96 bytes (three slices), at BH 2 and up or where A keeps a quarter of its columns or
+  // more.
+  const bool three_quarters = 2 * rb > tile && 4 * rb <= 3 * tile && (bh >= 2 || 4 * nnz_pad >= vrows * p.k);
   const int64_t pays_from = (quarter_counts ? (4 * rb <= quarter_tile   ? 10 << 10
                                                 : 2 * rb <= quarter_tile ? 20 << 10
                                                 : long_48                ? 32 << 10
@@ -404,6 +413,7 @@ bool launch_resident(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad
                              : 4 * rb <= tile ? 12 << 10
                              : BB == 8 && rb == quarter_tile ? 60 << 10
                              : 2 * rb <= tile ? (long_48 ? 8 << 10 : 24 << 10)
+                             : three_quarters ? 32 << 10
                              : rb <= tile     ? 96 << 10
                                               : 48 << 10) /
                             batched;

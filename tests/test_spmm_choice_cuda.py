@@ -239,6 +239,14 @@ def test_automatic_choice_wgmma_dense(kernels, monkeypatch, shape):
 # gather kernel (weighed by 1.3): L8-R8 at M = K = 1024, N 128, V 2, sparsity 0.9, 23.6 against
 # 28.8, and V 4, sparsity 0.5, 33.9 against 54.2; L16-R8 at V 2, sparsity 0.7, 39.0 against 66.8
 # (before, the resident kernel in each).
+# Rows of 65-96 bytes count from 32 KB, not 96, at BH 2 and up and where A keeps a quarter of its
+# columns or more (ninety-seventh round): L16-R8 at V 8, sparsity 0.7, M = K = 4096, N 96, BH 1: 56.7
+# KB (52.4-69.3 on 108-143 SMs), the resident kernel (before, the gather kernel, which took 1.24x its
+# time in a forced run of that shape); at V 4, sparsity 0.85, M = K = 1536, BH 3: 52.4 KB
+# (48.3-64.0), the resident kernel (before, 1.27x), and so L16-R4 at N 192 (1.29x). L8-R8 at V 4,
+# sparsity 0.85, M = K = 3072, BH 1 (A keeps 16 % of its columns): 65.5 KB (60.4-80.0), still
+# against 96 (the gather kernel, which took 0.86x the resident kernel's time forced), and so L8-R4 at
+# N 192 (0.89x).
 BATCHED_CASES = [
     pytest.param((8, 8, 4, 0.9, 2048, 128), 16, "resident", id="dense-factor-resident", marks=wgmma_estimate),
     pytest.param((8, 8, 2, 0.5, 2048, 256), 16, "dense", id="dense-factor-dense", marks=wgmma_estimate),
@@ -255,6 +263,11 @@ BATCHED_CASES = [
     pytest.param((8, 4, 4, 0.8, 640, 224), 16, "gather", id="8-bit-a-v4-112-byte-rows-bh16"),
     on_resident_grid((8, 4, 4, 0.8, 640, 160), 24, "resident", "8-bit-a-v4-4-warp-ctas-bh24"),
     on_resident_grid((8, 8, 4, 0.75, 512, 96), 24, "resident", "8-bit-b-96-byte-rows-4-warp-ctas-bh24"),
+    pytest.param((16, 8, 8, 0.7, 4096, 96), 1, "resident", id="8-bit-b-96-byte-rows-dense-a-bh1"),
+    pytest.param((16, 8, 4, 0.85, 1536, 96), 3, "resident", id="8-bit-b-96-byte-rows-bh3"),
+    pytest.param((8, 8, 4, 0.85, 3072, 96), 1, "gather", id="8-bit-b-96-byte-rows-sparse-a-bh1"),
+    pytest.param((16, 4, 4, 0.85, 1536, 192), 3, "resident", id="4-bit-b-96-byte-rows-bh3"),
+    pytest.param((8, 4, 4, 0.85, 3072, 192), 1, "gather", id="4-bit-b-96-byte-rows-sparse-a-bh1"),
     on_resident_grid((8, 4, 4, 0.8, 704, 224), 12, "resident", "4-bit-b-112-byte-long-rows-4-warp-ctas-bh12"),
     pytest.param((8, 8, 8, 0.75, 768, 128), 24, "gather", id="8-bit-b-128-byte-rows-bh24"),
     on_resident_grid((4, 4, 2, 0.85, 1536, 128), 1, "resident", "4-bit-b-64-byte-rows-busy-warps-bh1"),
