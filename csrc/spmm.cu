@@ -276,9 +276,24 @@ decltype(auto) on_tile(const Params& p, F&& f) {
   return f.template operator()<sd::Kind<AB, AS, BB>::kTileBytes>();
 }
 
+// The gather kernel on its tile (on_tile), or on half of its own tile (8-bit B's narrow tile, 4-bit
+// B's quarter tile) where rows of B are whole tiles and the grid on them holds at most two CTAs an
+// SM: twice the CTAs, each gathering half of every row, set SMs to work that would wait idle. On an
+// H200, the automatic choice with and without (the six pairs of 8- and 4-bit B, M = K 256-2048,
+// V 2 / 4 / 8, N 256 and 512, sparsity 0.6-0.97, BH 1 / 2 / 4; 2160 cells) took 0.936x the time on
+// the 696 cells of at most two CTAs an SM (0.87x at 32 CTAs, 0.96x at 256; up to 1.12x by cell)
+// and 1.066x on those of three (384 CTAs), where more CTAs of half the bytes each only lose, as at
+// the SpMM target (kernel_checks.md, ninety-eighth and ninety-ninth rounds). 16-bit and fp16 B,
+// whose rows are twice as wide, mostly lost even on small grids (ninety-eighth round).
 template <int AB, bool AS, int BB>
 void launch(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice,
             int64_t a_bits) {
+  if constexpr (BB == 8 || BB == 4) {
+    constexpr int tile = magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes;
+    const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    if (p.row_bytes % tile == 0 && vrows * (p.row_bytes / tile) * bh <= 2 * sms)
+      return launch_gather<AB, AS, BB, tile / 2>(p, vrows, bh, nnz_pad, stream, choice, a_bits);
+  }
   on_tile<AB, AS, BB>(
       p, [&]<int TB>() { launch_gather<AB, AS, BB, TB>(p, vrows, bh, nnz_pad, stream, choice, a_bits); });
 }

@@ -106,13 +106,14 @@ def main() -> int:
     # and wide tiles, the wide one's 8-bit A and B and 16-bit A and B on the ring of five here) on
     # a row of 70 blocks, whose column indices past the 44-64 blocks copied to shared memory
     # come from global memory, an empty row and one of 4 blocks; N = 272 on rows of several narrow
-    # tiles (8- and 16-bit B, 4-bit B under 4-bit A) and quarter tiles (4-bit B; on_tile).
+    # tiles (8- and 16-bit B, 4-bit B under 4-bit A) and quarter tiles (4-bit B; on_tile); N = 256
+    # on rows of whole tiles, which on a grid this small take half the tile (8- and 4-bit B; launch).
     os.environ["MAGICUBE_SPMM_KERNEL"] = "gather"
     mask = torch.zeros(3, 2240, dtype=torch.bool)
     mask[1], mask[2, :100] = True, True
     vm = VectorMask(mask, 8)
     p = SRBCRS.from_mask(vm, stride=32)
-    for n in (48, 128, 160, 272):
+    for n in (48, 128, 160, 256, 272):
         for a_bits, b_bits, a_signed in KINDS:
             if not check(g, p, vm.to_dense(), 2, 2240, n, 8, a_bits, b_bits, a_signed):
                 bad += 1

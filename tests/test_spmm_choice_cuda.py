@@ -322,11 +322,13 @@ def test_forced_way_runs(kernels, monkeypatch, way):
 # tile (rows of at most 64 bytes of 8- and 4-bit B; here 15.5 KB of gathers an SM with 4-bit B,
 # under the resident kernel's 20, and 31.8 with 8-bit B, under 60), nor on rows of one block
 # (sparsity 0.99; M = K = 2044, not a multiple of 8, so that no rows merge) but with 16-bit B, whose
-# two-MMA form takes the 1022 CTAs in more than one wave, nor on a grid of 256 CTAs; and 12-bit A
+# two-MMA form takes the 1022 CTAs in more than one wave, nor on a grid of 384 CTAs (under four an
+# SM on GPUs of over 96 SMs; on grids of at most two an SM 8-bit B's rows take the narrow tile,
+# where nothing stacks: `launch`); and 12-bit A
 # and unsigned 16-bit A at V 4 where the grid holds ten or more (2048 here, on GPUs of up to 204
 # SMs) or where the stacked form's occupancy runs it in fewer waves (12-bit A with 4-bit B: six CTAs
 # an SM against four; 640 CTAs, one wave against two on GPUs of 107-159 SMs; not 896, two waves
-# either way on 112-149 SMs, nor 256), never signed 16-bit A at V 4. `stacked` stacks wherever it
+# either way on 112-149 SMs, nor 384), never signed 16-bit A at V 4. `stacked` stacks wherever it
 # can, `gather` never does.
 STACK_CASES = {
     "L16-R8-wide": (16, 8, 2, 0.95, 2048, 256, "auto", 2),
@@ -338,19 +340,19 @@ STACK_CASES = {
     "L16u-R8-v4": (16, 8, 4, 0.98, 4096, 512, False, "auto", 4),
     "L16u-R16-v4": (16, 16, 4, 0.98, 4096, 256, False, "auto", 4),
     "L16u-R4-v4": (16, 4, 4, 0.98, 4096, 512, False, "auto", 4),
-    "L16u-R8-v4-few-ctas": (16, 8, 4, 0.95, 1024, 256, False, "auto", 0),
+    "L16u-R8-v4-few-ctas": (16, 8, 4, 0.95, 1536, 256, False, "auto", 0),
     "L16u-R8-v4-stacked": (16, 8, 4, 0.95, 2048, 256, False, "stacked", 4),
     "L16u-R8-v4-narrow-stacked": (16, 8, 4, 0.95, 2048, 128, False, "stacked", 0),
     "L12-R4-v4": (12, 4, 4, 0.98, 4096, 512, "auto", 4),
-    "L12-R4-v4-few-ctas": (12, 4, 4, 0.95, 1024, 256, "auto", 0),
+    "L12-R4-v4-few-ctas": (12, 4, 4, 0.95, 1536, 256, "auto", 0),
     "L12-R4-v4-fewer-waves": (12, 4, 4, 0.95, 2560, 256, "auto", 4),
     "L12-R4-v4-two-waves-either-way": (12, 4, 4, 0.95, 3584, 256, "auto", 0),
     "L12-R4-v4-gather": (12, 4, 4, 0.95, 2048, 256, "gather", 0),
     "L12-R4-v8-stacked": (12, 4, 8, 0.95, 2048, 256, "stacked", 0),
     "L16-R8-one-block-rows": (16, 8, 2, 0.99, 2044, 256, "auto", 0),
     "L16-R16-one-block-rows": (16, 16, 2, 0.99, 2044, 128, "auto", 2),
-    "L16-R8-few-ctas": (16, 8, 2, 0.9, 512, 256, "auto", 0),
-    "L16-R8-few-ctas-stacked": (16, 8, 2, 0.9, 512, 256, "stacked", 2),
+    "L16-R8-few-ctas": (16, 8, 2, 0.9, 768, 256, "auto", 0),
+    "L16-R8-few-ctas-stacked": (16, 8, 2, 0.9, 768, 256, "stacked", 2),
     "L16-R8-wide-gather": (16, 8, 2, 0.95, 2048, 256, "gather", 0),
     "L16-R4-quarter-tile": (16, 4, 2, 0.95, 2048, 64, "auto", 0),
     "L16-R4-quarter-tile-stacked": (16, 4, 2, 0.95, 2048, 64, "stacked", 2),
@@ -375,15 +377,23 @@ def test_stacked_planes(kernels, monkeypatch, case):
 # tile would be at most half full take the tile of half the width: 8- and 16-bit B's rows of
 # 257-384 and 513-640 bytes the narrow tile, 4-bit B's of 129-192 bytes the quarter tile (not under
 # 4-bit A); not rows whose last tile is fuller (448 bytes) or of more tiles (896 bytes; 4-bit B's
-# 320). Rows not on 16 bytes take the tile of their padded width (spmm_cuda pads them).
+# 320). Rows not on 16 bytes take the tile of their padded width (spmm_cuda pads them). 8- and 4-bit
+# B's rows of whole tiles take half the tile where the grid on the whole one holds at most two CTAs
+# an SM (`launch`: 128 CTAs here, on GPUs of 64 SMs or more; the other cases of such rows hold 384,
+# or 512 at BH 4, past two an SM on GPUs of up to 191 SMs), not rows of part tiles (448 bytes).
 TILE_CASES = {
     "L8-R4-64-byte-rows": (8, 4, 8, 0.9, 1024, 128, 64),
     "L16-R4-32-byte-rows": (16, 4, 4, 0.9, 1024, 64, 64),
-    "L4-R4-128-byte-rows": (4, 4, 8, 0.9, 1024, 256, 128),
+    "L4-R4-128-byte-rows": (4, 4, 8, 0.9, 3072, 256, 128),
+    "L4-R4-128-byte-rows-small-grid": (4, 4, 8, 0.9, 1024, 256, 64),
+    "L8-R4-256-byte-rows-small-grid": (8, 4, 8, 0.9, 512, 512, 64),
     "L8-R8-64-byte-rows": (8, 8, 8, 0.9, 1024, 64, 64),
     "L16-R8-48-byte-rows": (16, 8, 4, 0.9, 1024, 48, 64),
     "L8-R8-128-byte-rows": (8, 8, 8, 0.9, 1024, 128, 128),
-    "L8-R8-256-byte-rows": (8, 8, 8, 0.9, 1024, 256, 256),
+    "L8-R8-256-byte-rows": (8, 8, 8, 0.9, 3072, 256, 256),
+    "L8-R8-256-byte-rows-small-grid": (8, 8, 8, 0.9, 1024, 256, 128),
+    "L8-R8-256-byte-rows-small-grid-bh4": (8, 8, 8, 0.9, 1024, 256, True, torch.int64, 4, 256),
+    "L16-R8-512-byte-rows-small-grid": (16, 8, 4, 0.9, 256, 512, 128),
     "L8-R8-40-byte-rows": (8, 8, 8, 0.9, 1024, 40, 64),
     "L16-R8-120-byte-rows": (16, 8, 4, 0.9, 1024, 120, 128),
     "L8-R4-50-byte-rows": (8, 4, 8, 0.9, 1024, 100, 64),
@@ -503,34 +513,36 @@ def test_merged_rows_left_out(kernels, shape):
 # blocks a step, 0 for one block a step): the integer kinds where rows average two blocks or more,
 # on either tile and past one wave, but not on rows of one block nor with 4-bit B under 4-bit A,
 # nor where the paired kernel's grid takes more waves than the one-block kernel's; five slots for
-# 8-bit A and B and 16-bit A and B on the wide tile in one wave (rows of 58 blocks among them,
+# 8-bit A and B and 16-bit A and B on the wide tile in one wave (rows of 87 blocks among them,
 # past the 54 and 44 blocks whose indices that ring stages); 4-bit B under 8-bit A four slots on
-# rows of more than three blocks in one wave (256 CTAs), not past it (1024) nor on rows of three
-# blocks. The cases of L8-R8's and L16-R16's narrow tile past one wave are sized by the SM count
-# (V 2 rows there make M / 2 CTAs), from the CTAs an SM that ptxas gives their kernels (sm_90a):
-# L8-R8 10 one-block and 8 paired, L16-R16 8 and 7. Past one wave: 15.5 CTAs an SM, two waves of
-# either kernel; between the waves: 9 and 7.5 CTAs an SM, one wave of the one-block kernel only.
+# rows of more than three blocks in one wave (384 CTAs), not past it (1024) nor on rows of three
+# blocks. The cases of 8- and 4-bit B's rows of whole tiles at V 8 hold 384 CTAs, past the two an SM
+# under which those rows take half the tile (`launch`) on GPUs of up to 191 SMs. The cases of
+# L8-R8's and L16-R16's narrow tile past one wave are sized by the SM count (V 2 rows there make
+# M / 2 CTAs), from the CTAs an SM that ptxas gives their kernels (sm_90a): L8-R8 10 one-block and 8
+# paired, L16-R16 8 and 7. Past one wave: 15.5 CTAs an SM, two waves of either kernel; between the
+# waves: 9 and 7.5 CTAs an SM, one wave of the one-block kernel only.
 PAIR_CASES = {
     "L8-R8": (8, 8, 8, 0.9, 2048, 128, 4),
     "L8u-R8-n64": (8, 8, 8, 0.9, 2048, 64, False, 4),
     "L8-R8-past-one-wave": (8, 8, 2, 0.9, 31 * sms, 128, 4),
     "L8-R8-between-the-waves": (8, 8, 2, 0.9, 18 * sms, 128, 0),
     "L8-R8-rows-of-one-block": (8, 8, 8, 0.98, 1024, 128, 0),
-    "L8-R8-wide-tile": (8, 8, 8, 0.9, 2048, 256, 5),
-    "L8-R8-wide-tile-long-rows": (8, 8, 8, 0.1, 2048, 256, 5),
+    "L8-R8-wide-tile": (8, 8, 8, 0.9, 3072, 256, 5),
+    "L8-R8-wide-tile-long-rows": (8, 8, 8, 0.1, 3072, 256, 5),
     "L8-R8-wide-tile-past-one-wave": (8, 8, 2, 0.9, 4096, 256, 4),
     "L16-R8": (16, 8, 8, 0.9, 2048, 128, 4),
-    "L16-R8-wide-tile": (16, 8, 8, 0.9, 2048, 256, 4),
+    "L16-R8-wide-tile": (16, 8, 8, 0.9, 3072, 256, 4),
     "L16-R16-two-wide-tiles": (16, 16, 8, 0.9, 1024, 256, 5),
     "L16-R16-wide-tile-long-rows": (16, 16, 8, 0.1, 2048, 128, 5),
     "L16-R16-between-the-waves": (16, 16, 2, 0.9, 15 * sms, 64, 0),
-    "L16-R4": (16, 4, 8, 0.9, 2048, 256, 4),
-    "L12-R4": (12, 4, 8, 0.9, 2048, 256, 4),
-    "L8-R4": (8, 4, 8, 0.9, 2048, 256, 4),
-    "L8u-R4": (8, 4, 8, 0.9, 2048, 256, False, 4),
+    "L16-R4": (16, 4, 8, 0.9, 3072, 256, 4),
+    "L12-R4": (12, 4, 8, 0.9, 3072, 256, 4),
+    "L8-R4": (8, 4, 8, 0.9, 3072, 256, 4),
+    "L8u-R4": (8, 4, 8, 0.9, 3072, 256, False, 4),
     "L8-R4-past-one-wave": (8, 4, 2, 0.9, 2048, 256, 0),
     "L8-R4-rows-of-three-blocks": (8, 4, 8, 0.98, 4096, 256, 0),
-    "L4-R4": (4, 4, 8, 0.9, 2048, 256, 0),
+    "L4-R4": (4, 4, 8, 0.9, 3072, 256, 0),
 }
 
 
