@@ -324,12 +324,11 @@ def test_forced_way_runs(kernels, monkeypatch, way):
 # (sparsity 0.99; M = K = 2044, not a multiple of 8, so that no rows merge) but with 16-bit B, whose
 # two-MMA form takes the 1022 CTAs in more than one wave, nor on a grid of 384 CTAs (under four an
 # SM on GPUs of over 96 SMs; on grids of at most two an SM 8-bit B's rows take the narrow tile,
-# where nothing stacks: `launch`); and 12-bit A
-# and unsigned 16-bit A at V 4 where the grid holds ten or more (2048 here, on GPUs of up to 204
-# SMs) or where the stacked form's occupancy runs it in fewer waves (12-bit A with 4-bit B: six CTAs
-# an SM against four; 640 CTAs, one wave against two on GPUs of 107-159 SMs; not 896, two waves
-# either way on 112-149 SMs, nor 384), never signed 16-bit A at V 4. `stacked` stacks wherever it
-# can, `gather` never does.
+# where nothing stacks: `launch`); and 12-bit A and unsigned 16-bit A at V 4 where the grid holds
+# ten or more (2048 here, on GPUs of up to 204 SMs) or where the stacked form's occupancy runs it in
+# fewer waves (12-bit A with 4-bit B: six CTAs an SM against four; 640 CTAs, one wave against two on
+# GPUs of 107-159 SMs; not 896, two waves either way on 112-149 SMs, nor 384), never signed 16-bit A
+# at V 4. `stacked` stacks wherever it can, `gather` never does.
 STACK_CASES = {
     "L16-R8-wide": (16, 8, 2, 0.95, 2048, 256, "auto", 2),
     "L16-R16": (16, 16, 2, 0.95, 2048, 128, "auto", 2),
