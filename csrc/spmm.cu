@@ -277,21 +277,27 @@ decltype(auto) on_tile(const Params& p, F&& f) {
 }
 
 // The gather kernel on its tile (on_tile), or on half of its own tile (8-bit B's narrow tile, 4-bit
-// B's quarter tile) where rows of B are whole tiles and the grid on them holds at most two CTAs an
-// SM: twice the CTAs, each gathering half of every row, set SMs to work that would wait idle. On an
-// H200, the automatic choice with and without (the six pairs of 8- and 4-bit B, M = K 256-2048,
-// V 2 / 4 / 8, N 256 and 512, sparsity 0.6-0.97, BH 1 / 2 / 4; 2160 cells) took 0.936x the time on
-// the 696 cells of at most two CTAs an SM (0.87x at 32 CTAs, 0.96x at 256; up to 1.12x by cell)
-// and 1.066x on those of three (384 CTAs), where more CTAs of half the bytes each only lose, as at
-// the SpMM target (kernel_checks.md, ninety-eighth and ninety-ninth rounds). 16-bit and fp16 B,
-// whose rows are twice as wide, mostly lost even on small grids (ninety-eighth round).
+// B's quarter tile) where rows of B are whole tiles and the grid on them leaves SMs to spare: twice
+// the CTAs, each gathering half of every row, set SMs to work that would wait idle. Each CTA still
+// fetches all of its row's indices and sparse values, so the bound falls as A widens: at most 2.5
+// CTAs an SM for 8-bit A and B, 2 for 4-bit B under 4- and 8-bit A, 1.5 for 12- and 16-bit A (2
+// where A's rows average at most two blocks). On an H200, each tile timed on 5100 cells about the
+// bounds (the six pairs of 8- and 4-bit B, M = K 256-3328, V 2 / 4 / 8, N 256 and 512, sparsity
+// 0.55-0.97, BH 1-4), half the tile over the whole one by CTAs an SM (<= 1.5 / 1.5-2 / 2-2.5 /
+// more): 8-bit A and B 0.924 / 0.933 / 0.973 / 1.014; 4-bit B under 4- and 8-bit A 0.905 / 0.963 /
+// 1.045 / 1.071; 12- and 16-bit A 0.951 / 1.030 / 1.037 / 1.093, on rows of at most two blocks 0.938
+// / 0.983 / 1.017 / 1.043 (kernel_checks.md, hundredth round). At the SpMM target (512 CTAs, four
+// an SM) half the tile took 1.15x the time (ninety-eighth round). 16-bit and fp16 B, whose rows are
+// twice as wide, mostly lost even on small grids (ninety-eighth round).
 template <int AB, bool AS, int BB>
 void launch(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, cudaStream_t stream, Choice choice,
             int64_t a_bits) {
   if constexpr (BB == 8 || BB == 4) {
     constexpr int tile = magicube::spmm_detail::Kind<AB, AS, BB>::kTileBytes;
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    if (p.row_bytes % tile == 0 && vrows * (p.row_bytes / tile) * bh <= 2 * sms)
+    // Twice the bound, in CTAs an SM on the whole tile.
+    const int64_t twice_bound = AB == 16 ? (nnz_pad <= 2 * kSlots * vrows ? 4 : 3) : AB == 8 && BB == 8 ? 5 : 4;
+    if (p.row_bytes % tile == 0 && 2 * vrows * (p.row_bytes / tile) * bh <= twice_bound * sms)
       return launch_gather<AB, AS, BB, tile / 2>(p, vrows, bh, nnz_pad, stream, choice, a_bits);
   }
   on_tile<AB, AS, BB>(

@@ -377,9 +377,15 @@ def test_stacked_planes(kernels, monkeypatch, case):
 # 257-384 and 513-640 bytes the narrow tile, 4-bit B's of 129-192 bytes the quarter tile (not under
 # 4-bit A); not rows whose last tile is fuller (448 bytes) or of more tiles (896 bytes; 4-bit B's
 # 320). Rows not on 16 bytes take the tile of their padded width (spmm_cuda pads them). 8- and 4-bit
-# B's rows of whole tiles take half the tile where the grid on the whole one holds at most two CTAs
-# an SM (`launch`: 128 CTAs here, on GPUs of 64 SMs or more; the other cases of such rows hold 384,
-# or 512 at BH 4, past two an SM on GPUs of up to 191 SMs), not rows of part tiles (448 bytes).
+# B's rows of whole tiles take half the tile where the grid on the whole one holds at most 2.5 CTAs
+# an SM for 8-bit A and B, 2 for 4-bit B under 4- and 8-bit A, 1.5 for 12- and 16-bit A (2 on rows
+# of A of at most two blocks; `launch`): 128 CTAs here, on GPUs of 64 SMs or more; on GPUs of
+# 116-149 SMs (`half_tile_grid`), L8-R8 on 288 CTAs and L16-R8 on 224 CTAs of rows of two blocks
+# take half the tile, L16-R8 on 224 CTAs of rows of 17 blocks the whole one; the other cases of
+# such rows hold 384, or 512 at BH 4, past the bounds on GPUs of up to 153 SMs. Not rows of part
+# tiles (448 bytes).
+half_tile_grid = pytest.mark.skipif(not 116 <= sms <= 149, reason="the cases' grids sit about the half-tile "
+                                    "bounds on 116-149 SMs")
 TILE_CASES = {
     "L8-R4-64-byte-rows": (8, 4, 8, 0.9, 1024, 128, 64),
     "L16-R4-32-byte-rows": (16, 4, 4, 0.9, 1024, 64, 64),
@@ -392,6 +398,9 @@ TILE_CASES = {
     "L8-R8-256-byte-rows": (8, 8, 8, 0.9, 3072, 256, 256),
     "L8-R8-256-byte-rows-small-grid": (8, 8, 8, 0.9, 1024, 256, 128),
     "L8-R8-256-byte-rows-small-grid-bh4": (8, 8, 8, 0.9, 1024, 256, True, torch.int64, 4, 256),
+    "L8-R8-256-byte-rows-288-ctas": pytest.param((8, 8, 8, 0.9, 2304, 256, 128), marks=half_tile_grid),
+    "L16-R8-256-byte-rows-224-ctas-long-rows": pytest.param((16, 8, 8, 0.7, 1792, 256, 256), marks=half_tile_grid),
+    "L16-R8-256-byte-rows-224-ctas-short-rows": pytest.param((16, 8, 8, 0.98, 1792, 256, 128), marks=half_tile_grid),
     "L16-R8-512-byte-rows-small-grid": (16, 8, 4, 0.9, 256, 512, 128),
     "L8-R8-40-byte-rows": (8, 8, 8, 0.9, 1024, 40, 64),
     "L16-R8-120-byte-rows": (16, 8, 4, 0.9, 1024, 120, 128),
@@ -515,8 +524,8 @@ def test_merged_rows_left_out(kernels, shape):
 # 8-bit A and B and 16-bit A and B on the wide tile in one wave (rows of 87 blocks among them,
 # past the 54 and 44 blocks whose indices that ring stages); 4-bit B under 8-bit A four slots on
 # rows of more than three blocks in one wave (384 CTAs), not past it (1024) nor on rows of three
-# blocks. The cases of 8- and 4-bit B's rows of whole tiles at V 8 hold 384 CTAs, past the two an SM
-# under which those rows take half the tile (`launch`) on GPUs of up to 191 SMs. The cases of
+# blocks. The cases of 8- and 4-bit B's rows of whole tiles at V 8 hold 384 CTAs, past the bounds
+# under which those rows take half the tile (`launch`) on GPUs of up to 153 SMs. The cases of
 # L8-R8's and L16-R16's narrow tile past one wave are sized by the SM count (V 2 rows there make
 # M / 2 CTAs), from the CTAs an SM that ptxas gives their kernels (sm_90a): L8-R8 10 one-block and 8
 # paired, L16-R16 8 and 7. Past one wave: 15.5 CTAs an SM, two waves of either kernel; between the
