@@ -48,14 +48,6 @@ SPARSE_IMPLS = ("auto", "ops", "masked")
 POOLS = ("cls", "mean")
 
 
-def check_count(name: str, value, least: int) -> int:
-    """A setting that counts something (layers, steps, a batch): an integer of at least `least`,
-    refused by its name otherwise (a bool is not a count)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name}: expected an integer >= {least}, got {value!r}")
-    return value
-
-
 class LRAConfig(PretrainedConfig):
     model_type = "magicube_lra"
 
@@ -83,7 +75,9 @@ class LRAConfig(PretrainedConfig):
             if value not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, got {value!r}")
         for name in ("max_len", "emb_dim", "num_heads", "num_layers", "mlp_dim", "window"):
-            check_count(name, getattr(self, name), 0 if name == "window" else 1)
+            value, least = getattr(self, name), 0 if name == "window" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}: expected an integer >= {least}, got {value!r}")
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}: expected a probability in [0, 1), got {getattr(self, name)!r}")

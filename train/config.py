@@ -48,5 +48,13 @@ def apply_overrides(cfg: dict, overrides) -> dict:
     return cfg
 
 
+def check_count(name: str, value, least: int) -> int:
+    """A setting that counts something (steps, a batch, examples): an integer of at least `least`,
+    refused by its dotted name otherwise (a bool is not a count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name}: expected an integer >= {least}, got {value!r}")
+    return value
+
+
 def dump_config(cfg: dict, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from magicube.model import fakequant
-from magicube.model.lra import QUANTIZED, LRAClassifier, check_count
-from magicube.train.config import apply_overrides, config_names, load_config
+from magicube.model.lra import QUANTIZED, LRAClassifier
+from magicube.train.config import apply_overrides, check_count, config_names, load_config
 from magicube.train.trainer import batch_indices, load_weights, resolve_checkpoint, train
 
 

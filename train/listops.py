@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from magicube.model.lra import check_count
+from magicube.train.config import check_count
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 END = "]"

@@ -29,9 +29,9 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from magicube.model.lra import QUANTIZED, LRAClassifier, LRAConfig, check_count
+from magicube.model.lra import QUANTIZED, LRAClassifier, LRAConfig
 from magicube.train import data as data_mod
-from magicube.train.config import dump_config, load_config
+from magicube.train.config import check_count, dump_config, load_config
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
