@@ -837,8 +837,9 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   const uint8_t* b_chunk = b_bh + (chunk_in ? cbyte : 0);
   if constexpr (BB == 4) b_chunk = pinned(b_chunk);
   const uint32_t k_live = chunk_in ? static_cast<uint32_t>(p.k) : 0u;
-  auto issue = [&](int blk, const int (&c)[kCopyRows]) {
-    const uint32_t stage = smem0 + (blk % kRing) * kStageBytes;
+  // Block blk lies in ring slot ring_slot (blk % kRing, which the caller tracks).
+  auto issue = [&](int blk, int ring_slot, const int (&c)[kCopyRows]) {
+    const uint32_t stage = smem0 + ring_slot * kStageBytes;
 #pragma unroll
     for (int q = 0; q < kCopyRows; ++q) {
       const bool live = static_cast<uint32_t>(c[q]) < k_live;
@@ -867,8 +868,8 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
   const int li = lane & 7, lm = lane >> 3;
   const int wchunk0 = warp * K::kWarpChunks;
 
-  auto compute = [&](int blk) {
-    const uint32_t stage = smem0 + (blk % kRing) * kStageBytes;
+  auto compute = [&](int blk, int ring_slot) {
+    const uint32_t stage = smem0 + ring_slot * kStageBytes;
     const uint32_t sparse0 = MERGE ? smem_addr(merged) + blk * kSparseStage : stage + kDenseStage;
     const bool row_live = g < v;
     if constexpr (K::kFp16) {
@@ -942,32 +943,44 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    auto issue_at = [&](int blk) {
+    auto issue_at = [&](int blk, int ring_slot) {
       if (blk < nblocks) {
         int c[kCopyRows];
 #pragma unroll
         for (int q = 0; q < kCopyRows; ++q) {
-          const int slot = copy_slot(blk, q);
-          c[q] = blk < kColBlocks ? static_cast<int>(ld_shared_b32(col_smem + 4 * slot)) : cols[slot];
+          const int at = copy_slot(blk, q);
+          c[q] = blk < kColBlocks ? static_cast<int>(ld_shared_b32(col_smem + 4 * at)) : cols[at];
         }
-        issue(blk, c);
+        issue(blk, ring_slot, c);
       }
       cp_async_commit();
     };
 #pragma unroll
-    for (int s = 0; s < kRing - 2; ++s) issue_at(s);
+    for (int s = 0; s < kRing - 2; ++s) issue_at(s, s);
+    // The ring slots of blocks it and it - 2, stepped: on the ring of five by a compare, where the
+    // remainder took a multiply and a shift for every address (L8-R8's loop, 258 -> 227 instructions
+    // a step).
+    auto next_slot = [](int s) {
+      if constexpr ((kRing & (kRing - 1)) == 0) return (s + 1) & (kRing - 1);
+      else return s + 1 < kRing ? s + 1 : 0;
+    };
+    int slot_it = 0, slot_before = kRing - 2;
     for (int it = 0; it < nblocks; it += 2) {
       // Blocks it and it + 1 have landed once no more than the kRing - 4 groups after them pend.
       cp_async_wait<kRing - 4>();
       __syncthreads();
-      issue_at(it + kRing - 2);
-      issue_at(it + kRing - 1);
-      compute(it);
-      r.multiplied(1, since_fold);
+      issue_at(it + kRing - 2, slot_before);
+      issue_at(it + kRing - 1, next_slot(slot_before));
+      compute(it, slot_it);
       if (it + 1 < nblocks) {
-        compute(it + 1);
-        r.multiplied(1, since_fold);
+        compute(it + 1, next_slot(slot_it));
+        // A step's two blocks counted at once leave one copy of the fold in the loop, and the folds
+        // fall where they did block by block (kFlushBlocks is even). A lone last block is not
+        // counted: it is under kFlushBlocks since the last fold.
+        r.multiplied(2, since_fold);
       }
+      slot_before = slot_it;
+      slot_it = next_slot(next_slot(slot_it));
     }
   } else {
     // Pipeline: blocks it+1 .. it+kStages-1 are in flight while block it is computed. The column
@@ -988,7 +1001,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
       for (int s = 0; s < kStages - 1; ++s) {
         if (s < nblocks) {
           fetch_cols(s, next_cols[0]);
-          issue(s, next_cols[0]);
+          issue(s, s, next_cols[0]);
         }
         cp_async_commit();
       }
@@ -997,14 +1010,14 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(const Params p) {
       for (int it = 0; it < nblocks; ++it) {
         cp_async_wait<kStages - 2>();
         __syncthreads();
-        if (it + kStages - 1 < nblocks) issue(it + kStages - 1, next_cols[0]);
+        if (it + kStages - 1 < nblocks) issue(it + kStages - 1, (it + kStages - 1) % kStages, next_cols[0]);
         cp_async_commit();
 #pragma unroll
         for (int a = 0; a + 1 < kColsAhead; ++a)
 #pragma unroll
           for (int q = 0; q < kCopyRows; ++q) next_cols[a][q] = next_cols[a + 1][q];
         fetch_cols(it + kStages - 1 + kColsAhead, next_cols[kColsAhead - 1]);
-        compute(it);
+        compute(it, it % kStages);
         r.multiplied(1, since_fold);
       }
       if constexpr (MERGE) {

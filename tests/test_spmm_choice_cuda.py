@@ -528,8 +528,9 @@ def test_merged_rows_left_out(kernels, shape):
 # under which those rows take half the tile (`launch`) on GPUs of up to 153 SMs. The cases of
 # L8-R8's and L16-R16's narrow tile past one wave are sized by the SM count (V 2 rows there make
 # M / 2 CTAs), from the CTAs an SM that ptxas gives their kernels (sm_90a): L8-R8 10 one-block and 8
-# paired, L16-R16 8 and 7. Past one wave: 15.5 CTAs an SM, two waves of either kernel; between the
-# waves: 9 and 7.5 CTAs an SM, one wave of the one-block kernel only.
+# paired, L16-R16 8 and 8. Past one wave: 15.5 CTAs an SM, two waves of either kernel; between
+# L8-R8's waves: 9 CTAs an SM, one wave of the one-block kernel only; L16-R16 at 7.5 CTAs an SM,
+# one wave of either, pairs.
 PAIR_CASES = {
     "L8-R8": (8, 8, 8, 0.9, 2048, 128, 4),
     "L8u-R8-n64": (8, 8, 8, 0.9, 2048, 64, False, 4),
@@ -543,7 +544,7 @@ PAIR_CASES = {
     "L16-R8-wide-tile": (16, 8, 8, 0.9, 3072, 256, 4),
     "L16-R16-two-wide-tiles": (16, 16, 8, 0.9, 1024, 256, 5),
     "L16-R16-wide-tile-long-rows": (16, 16, 8, 0.1, 2048, 128, 5),
-    "L16-R16-between-the-waves": (16, 16, 2, 0.9, 15 * sms, 64, 0),
+    "L16-R16-narrow-tile-one-wave": (16, 16, 2, 0.9, 15 * sms, 64, 4),
     "L16-R4": (16, 4, 8, 0.9, 3072, 256, 4),
     "L12-R4": (12, 4, 8, 0.9, 3072, 256, 4),
     "L8-R4": (8, 4, 8, 0.9, 3072, 256, 4),
