@@ -209,8 +209,8 @@ void launch_gather(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, 
   // The integer kinds take two blocks a step (spmm_kernel's PAIR_RING, a ring of four slots) where
   // rows average two blocks or more and the paired grid takes no more waves than the one-block one:
   // 0.958-0.976x the time by pair (seventy-first round); where it takes more, pairing cost up to
-  // 1.20x (on the narrow tile L8-R8 holds 8 paired CTAs an SM against 10, L16-R16 7 against 8;
-  // seventy-third round). Not 4-bit B under 4-bit A (1.002x, up to 1.07x). 8-bit A with 4-bit B
+  // 1.20x (on the narrow tile L8-R8 holds 8 paired CTAs an SM against 10, and L16-R16 held 7
+  // against 8 until the hundred-and-first round; seventy-third round). Not 4-bit B under 4-bit A (1.002x, up to 1.07x). 8-bit A with 4-bit B
   // pairs on rows of more than three blocks where the paired grid fits one wave (five CTAs an SM, not
   // six): 0.950x the time over 35 fresh cells, and 1.15x where only the one-block grid fits one wave
   // (seventy-third round). On the wide tile 8-bit A and B and 16-bit A and B take a ring of five
