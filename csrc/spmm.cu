@@ -210,13 +210,14 @@ void launch_gather(const Params& p, int64_t vrows, int64_t bh, int64_t nnz_pad, 
   // rows average two blocks or more and the paired grid takes no more waves than the one-block one:
   // 0.958-0.976x the time by pair (seventy-first round); where it takes more, pairing cost up to
   // 1.20x (on the narrow tile L8-R8 holds 8 paired CTAs an SM against 10, and L16-R16 held 7
-  // against 8 until the hundred-and-first round; seventy-third round). Not 4-bit B under 4-bit A (1.002x, up to 1.07x). 8-bit A with 4-bit B
-  // pairs on rows of more than three blocks where the paired grid fits one wave (five CTAs an SM, not
-  // six): 0.950x the time over 35 fresh cells, and 1.15x where only the one-block grid fits one wave
-  // (seventy-third round). On the wide tile 8-bit A and B and 16-bit A and B take a ring of five
-  // (three blocks in flight, four CTAs an SM) where its grid fits one wave: 0.963-0.967x the four's
-  // time, the target 9.01 -> 8.37 us with fp16 output; past one wave 1.04x, and L16-R8's wide tile
-  // 1.016x even in one wave (seventy-second round).
+  // against 8 until the hundred-and-first round; seventy-third round). Not 4-bit B under 4-bit A
+  // (1.002x, up to 1.07x). 8-bit A with 4-bit B pairs on rows of more than three blocks where the
+  // paired grid fits one wave (five CTAs an SM, not six): 0.950x the time over 35 fresh cells, and
+  // 1.15x where only the one-block grid fits one wave (seventy-third round). On the wide tile 8-bit
+  // A and B and 16-bit A and B take a ring of five (three blocks in flight, four CTAs an SM) where
+  // its grid fits one wave: 0.963-0.967x the four's time, the target 9.01 -> 8.37 us with fp16
+  // output; past one wave 1.04x, and L16-R8's wide tile 1.016x even in one wave (seventy-second
+  // round).
   if constexpr (!sd::Kind<AB, AS, BB, TB>::kFp16 && AB != 4) {
     constexpr auto four = sd::spmm_kernel<AB, AS, BB, TB, 0, false, 4>;
     const int64_t wave = magicube::wave_ctas<four>(kThreads, 0);
