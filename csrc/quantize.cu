@@ -187,21 +187,25 @@ at::Tensor quantize_cuda(const at::Tensor& x_in, const at::Tensor& scale, int64_
   const at::Tensor x = magicube::aligned16(x_in);
   MAGICUBE_CHECK(x.is_cuda() && scale.is_cuda() && scale.device() == x.device(),
                  "quantize: x and scale must be on one CUDA device");
-  MAGICUBE_CHECK(x.dim() >= 1 && x.dim() <= kDigits, "quantize: x must have 1 to ", kDigits, " dims, got ", x.dim());
-  MAGICUBE_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat, "quantize: x must be float16 or float32, got ",
-                 x.scalar_type());
+  MAGICUBE_CHECK(x.dim() >= 1 && x.dim() <= kDigits, "quantize: x must have 1 to ", kDigits, " dims, got ",
+                 x.dim());
+  MAGICUBE_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat,
+                 "quantize: x must be float16 or float32, got ", x.scalar_type());
   const int64_t lead = x.dim() - 1;
-  MAGICUBE_CHECK(x.stride(lead) == 1, "quantize: x's last dim must be contiguous (stride 1), got stride ", x.stride(lead));
+  MAGICUBE_CHECK(x.stride(lead) == 1, "quantize: x's last dim must be contiguous (stride 1), got stride ",
+                 x.stride(lead));
   MAGICUBE_CHECK(x.size(lead) % kGroup == 0, "quantize: cols must be a multiple of 8, got ", x.size(lead));
   bool small = x.size(lead) / kGroup <= INT32_MAX;
   for (int64_t i = 0; i < lead; ++i) small = small && x.size(i) <= INT32_MAX;
   MAGICUBE_CHECK(small, "quantize: x's leading dims and cols / 8 must be below 2^31");
   bool aligned = true;
-  for (int64_t i = 0; i < lead; ++i) aligned = aligned && (x.size(i) == 1 || x.stride(i) * x.element_size() % 16 == 0);
+  for (int64_t i = 0; i < lead; ++i)
+    aligned = aligned && (x.size(i) == 1 || x.stride(i) * x.element_size() % 16 == 0);
   MAGICUBE_CHECK(aligned, "quantize: the rows of x must lie a multiple of 16 bytes apart (leading strides)");
   MAGICUBE_CHECK(scale.scalar_type() == at::kFloat && scale.sizes() == x.sizes().slice(0, lead),
                  "quantize: scale must be float32 with one value per row of x (x's shape less its last dim)");
-  const bool ok = is_signed ? (bits == 4 || bits == 8 || bits == 12 || bits == 16) : (bits == 4 || bits == 8 || bits == 16);
+  const bool ok =
+      is_signed ? (bits == 4 || bits == 8 || bits == 12 || bits == 16) : (bits == 4 || bits == 8 || bits == 16);
   MAGICUBE_CHECK(ok, "quantize: unsupported bits ", bits, " for ", is_signed ? "signed" : "unsigned", " data");
   const c10::cuda::CUDAGuard guard(x.device());
   const auto dtype = bits == 4 ? at::kByte : bits == 8 ? (is_signed ? at::kChar : at::kByte) : at::kShort;
@@ -218,5 +222,7 @@ at::Tensor quantize_cuda(const at::Tensor& x_in, const at::Tensor& scale, int64_
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(magicube_cuda, m) { m.def("quantize(Tensor x, Tensor scale, int bits, bool is_signed) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(magicube_cuda, m) {
+  m.def("quantize(Tensor x, Tensor scale, int bits, bool is_signed) -> Tensor");
+}
 TORCH_LIBRARY_IMPL(magicube_cuda, CUDA, m) { m.impl("quantize", &quantize_cuda); }

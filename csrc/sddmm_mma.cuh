@@ -49,7 +49,8 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1,
 template <int LB, int AL>
 __device__ __forceinline__ void load_row_bytes(uint32_t (&dst)[LB / 4], const uint8_t* row,
                                                int off, int row_bytes) {
-  static_assert(LB % 4 == 0 && (AL != 16 || LB == 8 || LB % 16 == 0) && (AL == 1 || AL == 2 || AL == 4 || AL == 16), "bad load shape");
+  static_assert(LB % 4 == 0 && (AL != 16 || LB == 8 || LB % 16 == 0) && (AL == 1 || AL == 2 || AL == 4 || AL == 16),
+                "bad load shape");
   if constexpr (AL == 16 && LB == 8) {
     uint2 v = make_uint2(0, 0);
     if (off + 8 <= row_bytes) v = *reinterpret_cast<const uint2*>(row + off);

@@ -468,7 +468,8 @@ __device__ __forceinline__ void write_vector_row(const Params& p, Accumulators<K
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const T h[4] = {value(mt, 0), value(mt, 1), value(mt, 2), value(mt, 3)};
-        const __half2 y = __shfl_xor_sync(0xffffffffu, odd ? __halves2half2(h[0], h[1]) : __halves2half2(h[2], h[3]), 4);
+        const __half2 y =
+            __shfl_xor_sync(0xffffffffu, odd ? __halves2half2(h[0], h[1]) : __halves2half2(h[2], h[3]), 4);
         const T yr[2] = {__low2half(y), __high2half(y)};
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
