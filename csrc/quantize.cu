@@ -187,8 +187,7 @@ at::Tensor quantize_cuda(const at::Tensor& x_in, const at::Tensor& scale, int64_
   const at::Tensor x = magicube::aligned16(x_in);
   MAGICUBE_CHECK(x.is_cuda() && scale.is_cuda() && scale.device() == x.device(),
                  "quantize: x and scale must be on one CUDA device");
-  MAGICUBE_CHECK(x.dim() >= 1 && x.dim() <= kDigits, "quantize: x must have 1 to ", kDigits, " dims, got ",
-                 x.dim());
+  MAGICUBE_CHECK(x.dim() >= 1 && x.dim() <= kDigits, "quantize: x must have 1 to ", kDigits, " dims, got ", x.dim());
   MAGICUBE_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat,
                  "quantize: x must be float16 or float32, got ", x.scalar_type());
   const int64_t lead = x.dim() - 1;
@@ -199,8 +198,7 @@ at::Tensor quantize_cuda(const at::Tensor& x_in, const at::Tensor& scale, int64_
   for (int64_t i = 0; i < lead; ++i) small = small && x.size(i) <= INT32_MAX;
   MAGICUBE_CHECK(small, "quantize: x's leading dims and cols / 8 must be below 2^31");
   bool aligned = true;
-  for (int64_t i = 0; i < lead; ++i)
-    aligned = aligned && (x.size(i) == 1 || x.stride(i) * x.element_size() % 16 == 0);
+  for (int64_t i = 0; i < lead; ++i) aligned = aligned && (x.size(i) == 1 || x.stride(i) * x.element_size() % 16 == 0);
   MAGICUBE_CHECK(aligned, "quantize: the rows of x must lie a multiple of 16 bytes apart (leading strides)");
   MAGICUBE_CHECK(scale.scalar_type() == at::kFloat && scale.sizes() == x.sizes().slice(0, lead),
                  "quantize: scale must be float32 with one value per row of x (x's shape less its last dim)");
