@@ -40,6 +40,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 from magicube import ops
 from magicube.model import fakequant
 from magicube.model.masks import KINDS, layer_mask
+from magicube.train.config import check_count
 
 # backend -> (softmax output bits, Q/K/V bits)
 QUANTIZED = {"16b-8b": (16, 8), "8b-8b": (8, 8), "8b-4b": (8, 4)}
@@ -75,9 +76,7 @@ class LRAConfig(PretrainedConfig):
             if value not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, got {value!r}")
         for name in ("max_len", "emb_dim", "num_heads", "num_layers", "mlp_dim", "window"):
-            value, least = getattr(self, name), 0 if name == "window" else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{name}: expected an integer >= {least}, got {value!r}")
+            check_count(name, getattr(self, name), 0 if name == "window" else 1)
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}: expected a probability in [0, 1), got {getattr(self, name)!r}")

@@ -49,8 +49,8 @@ def apply_overrides(cfg: dict, overrides) -> dict:
 
 
 def check_count(name: str, value, least: int) -> int:
-    """A setting that counts something (steps, a batch, examples): an integer of at least `least`,
-    refused by its dotted name otherwise (a bool is not a count)."""
+    """A setting that counts something (steps, a batch, examples, a model's layers): an integer of at
+    least `least`, refused by its dotted name otherwise (a bool is not a count)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError(f"{name}: expected an integer >= {least}, got {value!r}")
     return value
