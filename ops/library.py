@@ -1,7 +1,8 @@
 """The op schemas (defined once), their argument checks, and one implementation per device.
 
 CPU: the pure-PyTorch reference. CUDA: the kernels of `csrc/`, built on first use; where
-they cannot be built (no compiler) the reference runs on the GPU, with a warning. Fake
+they cannot be built (no compiler) the reference runs on the GPU, with a warning. Attention of a
+head dim the fused kernel is not built for runs as the three ops it fuses, on their kernels. Fake
 implementations give shapes to `torch.compile`.
 """
 
@@ -308,6 +309,12 @@ CHECKS = {"quantize": check_quantize, "qkv_projection": check_qkv_projection, "s
 # ---------------------------------------------------------------------------------------------
 # Implementations.
 
+def _kernel_or_reference(name, *args):
+    """The kernel of csrc/, or the reference where it cannot be built (with the extension's warning)."""
+    kernels = extension.ops_or_none(name)
+    return getattr(reference, name)(*args) if kernels is None else getattr(kernels, name)(*args)
+
+
 def _qkv_projection_cuda(x, weight, bias, scale, heads, bits):
     """The Triton GEMM with the quantization in its epilogue; without Triton, the projection by cuBLAS
     in fp32 and then the one-pass quantize kernel."""
@@ -323,8 +330,24 @@ def _qkv_projection_cuda(x, weight, bias, scale, heads, bits):
     return quantize_to_container(y, scale.view(3, 1, heads, 1, 1), bits).view(3, x.shape[0] * heads, x.shape[1], -1)
 
 
-# CUDA implementations that are not a kernel of csrc/
-CUDA_IMPLS = {"qkv_projection": _qkv_projection_cuda}
+# The head dims the fused attention kernel is built for (csrc/attention.cu; value's equal to
+# query's). Other shapes run the three ops it fuses, each on its own kernel: the same function.
+FUSED_HEAD_DIMS = (32, 64, 128)
+
+
+def _sparse_attention_cuda(*args):
+    check_sparse_attention(*args)
+    query, value, qk_bits = args[3], args[5], args[11]
+    per_byte = 2 if qk_bits == 4 else 1  # int4 packed in pairs (fp16 inputs take qk_bits 16)
+    d, dv = query.shape[-1] * per_byte, value.shape[-1] * per_byte
+    if d in FUSED_HEAD_DIMS and dv == d:
+        return _kernel_or_reference("sparse_attention", *args)
+    ops = getattr(torch.ops, NAMESPACE)
+    return reference.compose_attention(ops.sddmm, ops.sparse_softmax, ops.spmm, *args)
+
+
+# CUDA implementations that are not (only) a kernel of csrc/
+CUDA_IMPLS = {"qkv_projection": _qkv_projection_cuda, "sparse_attention": _sparse_attention_cuda}
 
 
 def _register(name):
@@ -336,10 +359,7 @@ def _register(name):
 
     def cuda(*args):
         check(*args)
-        kernels = extension.ops_or_none(name)
-        if kernels is None:
-            return ref(*args)
-        return getattr(kernels, name)(*args)
+        return _kernel_or_reference(name, *args)
 
     torch.library.impl(f"{NAMESPACE}::{name}", "CPU")(cpu)
     torch.library.impl(f"{NAMESPACE}::{name}", "CUDA")(CUDA_IMPLS.get(name, cuda))

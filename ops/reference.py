@@ -111,21 +111,29 @@ def sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits, long
     return to_container(q, out_bits, signed=False), row_scale
 
 
-def sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale_q, scale_k, scale_v, v, softmax_scale,
-                     qk_bits, p_bits, heads, longest_row=-1):
-    del longest_row  # a kernel's hint; the function does not depend on it
-    # [B, heads, rows, d'] views as the [BH, rows, d'] they hold; [B, heads, rows] scales as [BH, rows]
-    query, key, value = (x.reshape(-1, *x.shape[2:]) if x.dim() == 4 else x for x in (query, key, value))
-    scale_q, scale_k, scale_v = (s.reshape(-1, s.shape[-1]) if s is not None and s.dim() == 3 else s
+def sparse_attention(*args):
+    return compose_attention(sddmm, sparse_softmax, spmm, *args)
+
+
+def compose_attention(sddmm, sparse_softmax, spmm, row_ptr, col_idx, row_order, query, key, value, scale_q, scale_k,
+                      scale_v, v, softmax_scale, qk_bits, p_bits, heads, longest_row=-1):
+    """sparse_attention's function, sddmm -> sparse_softmax -> spmm, through the implementations of
+    the three ops given: these reference functions, or the dispatcher's ops where a fused kernel
+    does not take the shape."""
+    # [B, heads, rows, d'] views as the [BH, rows, d'] they hold; [B, heads, rows] scales as [BH, rows];
+    # contiguous, as the ops take them
+    query, key, value = (x.reshape(-1, *x.shape[-2:]).contiguous() for x in (query, key, value))
+    scale_q, scale_k, scale_v = (None if s is None else s.reshape(-1, s.shape[-1]).contiguous()
                                  for s in (scale_q, scale_k, scale_v))
     pattern = (row_ptr, col_idx, row_order)
-    scores = sddmm(*pattern, query, key, scale_q, scale_k, v, qk_bits, torch.float16)
-    probs, row_scale = sparse_softmax(*pattern, scores, v, softmax_scale, p_bits)
+    scores = sddmm(*pattern, query, key, scale_q, scale_k, v, qk_bits, torch.float16, longest_row)
+    probs, row_scale = sparse_softmax(*pattern, scores, v, softmax_scale, p_bits, longest_row)
     m = row_ptr.numel() // 2 * v
     if p_bits == 0:
-        out = spmm(*pattern, probs, value, None, None, v, m, 16, True, 16, torch.float16)
+        out = spmm(*pattern, probs, value, None, None, v, m, 16, True, 16, torch.float16, longest_row)
     else:
-        out = spmm(*pattern, probs, value, row_scale, scale_v, v, m, p_bits, False, qk_bits, torch.float16)
+        out = spmm(*pattern, probs, value, row_scale, scale_v, v, m, p_bits, False, qk_bits, torch.float16,
+                   longest_row)
     bh, _, dv = out.shape
     return out.view(bh // heads, heads, m, dv).transpose(1, 2).contiguous()
 

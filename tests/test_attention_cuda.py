@@ -348,6 +348,68 @@ def test_per_head_views_global_rows(kernels):
                     "per-head views, global rows")
 
 
+def three_ops(p, q, k, val, sq, sk, sv, v, softmax_scale, qk_bits, p_bits):
+    """sddmm -> sparse_softmax -> spmm by hand, [BH, M, dv]."""
+    ops, pattern = torch.ops.magicube, (p.row_ptr, p.col_idx, p.row_order)
+    scores = ops.sddmm(*pattern, q, k, sq, sk, v, qk_bits, torch.float16)
+    probs, row_scale = ops.sparse_softmax(*pattern, scores, v, softmax_scale, p_bits)
+    if p_bits == 0:
+        return ops.spmm(*pattern, probs, val, None, None, v, p.m, 16, True, 16, torch.float16)
+    return ops.spmm(*pattern, probs, val, row_scale, sv, v, p.m, p_bits, False, qk_bits, torch.float16)
+
+
+@pytest.mark.parametrize("d", [8, 16, 48])
+@pytest.mark.parametrize("p_bits, qk_bits", PAIRS, ids=PAIR_IDS)
+def test_other_head_dims_run_the_three_ops(kernels, p_bits, qk_bits, d):
+    """Head dims the fused kernel is not built for, and a value narrower than query and key: the op
+    runs the three ops on their kernels, within the mode's bound of the reference and bit for bit
+    the three ops by hand."""
+    for i, (bh, rows, n, sparsity) in enumerate(SHAPES):
+        v = (2, 8)[i % 2]
+        g = torch.Generator().manual_seed(100 * i + d)
+        p, emask = problem(bh, rows, n, v, sparsity, seed=i, shuffle=bool(i % 2))
+        q, k, val, sq, sk, sv = make_inputs(bh, p.m, n, d, p_bits, qk_bits, g, spread=1.0 + i)
+        if i == 2:  # dv = d / 2
+            per_byte = 2 if qk_bits == 4 else 1
+            val = val[..., :d // 2 // per_byte].contiguous()
+            sv = None if sv is None else sv[:, :d // 2].contiguous()
+        inputs = (q, k, val, sq, sk, sv)
+        cuda, dev = p.to("cuda"), [to_cuda(x) for x in inputs]
+        poison_allocator(float("nan"), torch.float16)
+        got = torch.ops.magicube.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev, v, d**-0.5,
+                                                  qk_bits, p_bits, 1)
+        want = torch.ops.magicube.sparse_attention(p.row_ptr, p.col_idx, p.row_order, *inputs, v, d**-0.5, qk_bits,
+                                                   p_bits, 1)
+        what = f"d={d}, dv={want.shape[-1]}, BH={bh}, M={p.m}, N={n}, V={v}"
+        assert got.shape == want.shape == (bh, p.m, 1, want.shape[-1]) and got.is_contiguous(), what
+        check(p, emask, inputs, heads_flat(got), heads_flat(want), v, d**-0.5, qk_bits, p_bits, what)
+        hand = three_ops(cuda, *dev, v, d**-0.5, qk_bits, p_bits)
+        assert torch.equal(got.view(bh, p.m, -1), hand), f"{what}: not the three ops' function"
+
+
+@pytest.mark.parametrize("p_bits, qk_bits", [pq for pq in PAIRS if pq[1] != 4], ids=[
+    i for i, pq in zip(PAIR_IDS, PAIRS) if pq[1] != 4])
+def test_other_head_dims_per_head_views(kernels, p_bits, qk_bits):
+    """4-D per-head views of head dim 16 (rows on 16-byte strides): the same output as contiguous
+    [BH, rows, d] inputs, in the [B, M, heads, d] layout."""
+    d, heads, v = 16, 2, 8
+    bh, rows, n, sparsity = TOKEN_MAJOR_SHAPES[0]
+    p, emask = problem(bh, rows, n, v, sparsity, seed=3)
+    g = torch.Generator().manual_seed(7)
+    inputs = make_inputs(bh, p.m, n, d, p_bits, qk_bits, g, per_head=True)
+    cuda = p.to("cuda")
+    q, k, val, *scales = (to_cuda(x) for x in inputs)
+    tail = (*scales, v, d**-0.5, qk_bits, p_bits, heads)
+    got = torch.ops.magicube.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order,
+                                              *(token_major(x, heads) for x in (q, k, val)), *tail)
+    flat = torch.ops.magicube.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order, q, k, val, *tail)
+    want = torch.ops.magicube.sparse_attention(p.row_ptr, p.col_idx, p.row_order, *inputs, v, d**-0.5, qk_bits,
+                                               p_bits, heads)
+    assert got.shape == want.shape == (bh // heads, p.m, heads, d)
+    assert torch.equal(got, flat), "the views changed the output"
+    check(p, emask, inputs, heads_flat(got), heads_flat(want), v, d**-0.5, qk_bits, p_bits, "per-head views")
+
+
 def test_long_row_uncached(kernels):
     """One row of 6000 keys (188 blocks, most past the score cache) next to short ones."""
     v, n, d = 8, 6000, 64
