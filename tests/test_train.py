@@ -210,7 +210,7 @@ class _NanForFirstIdZero(torch.nn.Module):
     """Logits favouring class 1, NaN for the examples whose first id is 0."""
 
     def forward(self, ids):
-        logits = torch.tensor([0.0, 1.0]).expand(len(ids), 2)
+        logits = torch.tensor([0.0, 1.0], device=ids.device).expand(len(ids), 2)
         return SimpleNamespace(logits=logits.masked_fill((ids[:, 0] == 0)[:, None], float("nan")))
 
 
@@ -220,5 +220,6 @@ def test_accuracy_counts_non_finite_logits_as_wrong():
     from accelerate import Accelerator
 
     ids, labels = torch.tensor([[0], [1], [2], [0]]), torch.tensor([0, 1, 0, 1])
-    r = accuracy(_NanForFirstIdZero(), ids, labels, batch_size=3, accelerator=Accelerator(cpu=True))
+    # the process's accelerator, whatever its device: accelerate keeps one state a process
+    r = accuracy(_NanForFirstIdZero(), ids, labels, batch_size=3, accelerator=Accelerator())
     assert r["accuracy"] == 0.25 and r["nonfinite"] == 2 and r["examples"] == 4 and math.isnan(r["loss"])
