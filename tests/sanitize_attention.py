@@ -8,8 +8,9 @@ over 4 warps (N past a warp's exact int32 accumulation), a global token's row am
 V = 2 and 8, head dims 32 and 64, shuffled and plain patterns, and the attention layer's call: the
 output as [B, M, heads, dv] with per-(batch x head) scales expanded along their rows (stride 0,
 read in place), also from Q, K, V as per-head views of token-major tensors with per-head scales
-shared by the batch; and rows of non-finite scores (NaN rows). Exits non-zero if a result is far
-from the reference (the GPU tests hold it to the exact bounds).
+shared by the batch; rows of non-finite scores (NaN rows); and head dims the fused kernel is not
+built for, which the public op runs as the sddmm, softmax and spmm kernels. Exits non-zero if a
+result is far from the reference (the GPU tests hold it to the exact bounds).
 """
 
 import sys
@@ -116,9 +117,32 @@ def main() -> int:
                                                    p_bits, 1)
         bad += mismatch(got, want, f"non-finite scores p_bits={p_bits} qk_bits={qk_bits}")
         bad += int(not bool(want[0, [9, 16]].isnan().all()))  # the case is what it says
+    bad += other_head_dims(g)
     torch.cuda.synchronize()
     print("sanitize_attention:", "ok" if not bad else f"{bad} mismatches")
     return 1 if bad else 0
+
+
+def other_head_dims(g) -> int:
+    """The public op at head dims 8 and 48 (a value of 24 beside the 48): the three kernels."""
+    mask = torch.rand(4, 300, generator=g) < 0.2
+    mask[0], mask[2] = False, True
+    p = SRBCRS.from_mask(VectorMask(mask, 8), stride=32, shuffle=True)
+    cuda = p.to("cuda")
+    bad = 0
+    for d, dv in ((8, 8), (48, 24)):
+        for p_bits, qk_bits in PAIRS:
+            args = list(inputs(2, p.m, 300, d, p_bits, qk_bits, g, per_head=False))
+            args[2] = args[2][..., :dv // (2 if qk_bits == 4 else 1)].contiguous()
+            if p_bits:
+                args[5] = args[5][:, :dv].contiguous()
+            got = torch.ops.magicube.sparse_attention(cuda.row_ptr, cuda.col_idx, cuda.row_order,
+                                                      *(to_cuda(x) for x in args), 8, d**-0.5, qk_bits, p_bits,
+                                                      1).cpu()
+            want = torch.ops.magicube.sparse_attention(p.row_ptr, p.col_idx, p.row_order, *args, 8, d**-0.5, qk_bits,
+                                                       p_bits, 1)
+            bad += mismatch(got, want, f"d={d} dv={dv} p_bits={p_bits} qk_bits={qk_bits}")
+    return bad
 
 
 if __name__ == "__main__":
