@@ -65,6 +65,22 @@ def test_counts_out_of_range_are_refused_by_name(tmp_path):
     assert not (tmp_path / "counts").exists()
 
 
+def test_accelerator_settings_are_checked_by_name(tmp_path):
+    """An unknown mixed precision is refused by name, and so is a run that asks for other settings
+    than an earlier run in the process had (accelerate keeps one state a process)."""
+    from accelerate import Accelerator
+
+    with pytest.raises(ValueError, match=r"train.mixed_precision: expected one of \('no', 'fp16', 'bf16'\), "
+                                         r"got 'fp32'"):
+        train(tiny_cfg(tmp_path, "mixed", "train.mixed_precision=fp32"), progress=False)
+    now = Accelerator().state.mixed_precision  # the process's, as earlier tests left it
+    other = "fp16" if now == "bf16" else "bf16"
+    with pytest.raises(ValueError, match=rf"train.mixed_precision='{other}', train.cpu=False: this process already "
+                                         rf"trains with mixed precision '{now}'.* new process"):
+        train(tiny_cfg(tmp_path, "mixed", f"train.mixed_precision={other}"), progress=False)
+    assert not (tmp_path / "mixed").exists()
+
+
 def test_lra_schedule():
     f = lra_lr_lambda(100)
     assert f(0) == pytest.approx(0.01 / 10)

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
@@ -45,6 +46,8 @@ TRAIN_KEYS = ("steps", "batch_size", "lr", "schedule", "warmup", "scale_lr", "be
 MODEL_KEYS = tuple(k for k in inspect.signature(LRAConfig.__init__).parameters
                    if k not in ("self", "kwargs", "vocab_size", "num_classes"))
 
+
+MIXED_PRECISIONS = ("no", "fp16", "bf16")  # train.mixed_precision, as accelerate names them
 
 # The train section's counts, and the least each may be (a batch of 0 divided by zero, and a negative
 # step count trained nothing, without a word).
@@ -321,6 +324,21 @@ def _any_process(accelerator: Accelerator, flag: bool) -> bool:
 
 # ---- training ----------------------------------------------------------------------------
 
+def _accelerator(mixed: str, cpu: bool) -> Accelerator:
+    """The run's accelerator. accelerate keeps one state a process: a second run in a process (a
+    notebook, a script training two configs) must ask for the device and precision of the first."""
+    try:
+        return Accelerator(mixed_precision=mixed, cpu=cpu)
+    except ValueError:
+        state = AcceleratorState()
+        if not state.initialized or (state.mixed_precision == mixed and not (cpu and state.device.type != "cpu")):
+            raise
+        raise ValueError(f"train.mixed_precision={mixed!r}, train.cpu={cpu}: this process already trains with "
+                         f"mixed precision {state.mixed_precision!r} on {state.device.type} (set by an earlier run "
+                         f"in it), and accelerate keeps one state a process; run this config in a new process, or "
+                         f"give it the same settings") from None
+
+
 def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int | None = None,
           init_model=None) -> dict:
     """Train as the config says; returns a summary. `stop_after` ends early (as an interruption would).
@@ -337,7 +355,9 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
     seed = int(cfg.get("seed", 0))
     out_dir = Path(cfg.get("out_dir") or f"runs/{cfg.get('name', 'run')}")
     mixed = tc.get("mixed_precision") or "no"  # YAML reads a bare `no` as False
-    accelerator = Accelerator(mixed_precision=mixed, cpu=bool(tc.get("cpu", False)))
+    if mixed not in MIXED_PRECISIONS:
+        raise ValueError(f"train.mixed_precision: expected one of {MIXED_PRECISIONS}, got {mixed!r}")
+    accelerator = _accelerator(mixed, bool(tc.get("cpu", False)))
     main = accelerator.is_main_process
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
