@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState
+from accelerate.state import AcceleratorState, is_initialized
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
@@ -330,8 +330,10 @@ def _accelerator(mixed: str, cpu: bool) -> Accelerator:
     try:
         return Accelerator(mixed_precision=mixed, cpu=cpu)
     except ValueError:
+        if not is_initialized():
+            raise
         state = AcceleratorState()
-        if not state.initialized or (state.mixed_precision == mixed and not (cpu and state.device.type != "cpu")):
+        if state.mixed_precision == mixed and not (cpu and state.device.type != "cpu"):
             raise
         raise ValueError(f"train.mixed_precision={mixed!r}, train.cpu={cpu}: this process already trains with "
                          f"mixed precision {state.mixed_precision!r} on {state.device.type} (set by an earlier run "
