@@ -156,19 +156,19 @@ def _rows(qi, row, col, ki, vd, score_scale, sv, p_bits: int, softmax_scale: flo
     # index_select, not gather: its backward needs the product's shape, not the product itself.
     acc = (qi @ ki.transpose(-2, -1)).flatten(2).index_select(-1, at)
     scores = fp16_ste(acc * score_scale)
-    p, row_scale = quantized_softmax(scores, row, at, n, T, softmax_scale, p_bits)
+    p, row_scale = quantized_softmax(scores, at, n, T, softmax_scale, p_bits)
     dense = p.new_zeros(B, H, n * T, dtype=torch.float64).scatter_(-1, at.expand(B, H, -1), p.double())
     out = (dense.view(B, H, n, T) @ vd).float()
     return fp16_ste(out * (row_scale * sv))
 
 
-def quantized_softmax(scores: torch.Tensor, row: torch.Tensor, at: torch.Tensor, rows: int, cols: int,
-                      softmax_scale: float, p_bits: int):
-    """ops.sparse_softmax on the kept scores [B, H, E] of a [rows, cols] block, entry i at row row[i]
-    and flat position at[i]: (integer-valued p [B, H, E], row_scale [B, H, rows, 1]); a row with
-    nothing kept has row_scale 0."""
+def quantized_softmax(scores: torch.Tensor, at: torch.Tensor, rows: int, cols: int, softmax_scale: float,
+                      p_bits: int):
+    """ops.sparse_softmax on the kept scores [B, H, E] of a [rows, cols] block, entry i at flat
+    position at[i]: (integer-valued p [B, H, E], row_scale [B, H, rows, 1]); a row with nothing kept
+    has row_scale 0."""
     x = scores * softmax_scale
-    row = row.expand_as(x)
+    row = (at // cols).expand_as(x)
     # The max only shifts the exponent (the output is invariant to it): no gradient through it.
     m = x.new_full((*x.shape[:-1], rows), float("-inf")).scatter_reduce_(-1, row, x.detach(), "amax")
     m = torch.where(torch.isfinite(m), m, 0.0)  # an infinite max would make exp(x - m) NaN
