@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from magicube.eval.evaluate import evaluate
+from magicube.model.lra import LRAClassifier
 from magicube.train.config import apply_overrides, config_names, load_config
 from magicube.train.trainer import (accuracy, batch_indices, latest_checkpoint, lr_lambda, lra_lr_lambda,
                                     read_trainer_state, train)
@@ -130,6 +131,45 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     assert all(torch.equal(oa[i]["exp_avg_sq"], ob[i]["exp_avg_sq"]) for i in oa)
     assert _records(tmp_path / "full") == _records(tmp_path / "cut")  # no duplicated or lost log lines
     assert full["eval_accuracy"] == resumed["eval_accuracy"]
+
+
+def test_deterministic_algorithms_for_the_run_only(tmp_path):
+    """train.deterministic turns PyTorch's deterministic algorithms on for the run and gives the
+    process its own setting back afterwards, also when the run fails; a non-bool is refused."""
+    seen = []
+
+    def init_model(config, split, device, resuming):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        if config.num_layers == 1:
+            raise RuntimeError("a failing run")
+        return LRAClassifier(config)
+
+    assert load_config("tiny")["train"]["deterministic"] is True
+    before = torch.are_deterministic_algorithms_enabled()
+    for flag in ("true", "false"):
+        train(tiny_cfg(tmp_path, f"det_{flag}", "train.steps=2", f"train.deterministic={flag}"), progress=False,
+              init_model=init_model)
+    with pytest.raises(RuntimeError, match="a failing run"):
+        train(tiny_cfg(tmp_path, "det_fails", "model.num_layers=1"), progress=False, init_model=init_model)
+    assert seen == [True, False, True] and torch.are_deterministic_algorithms_enabled() == before
+    with pytest.raises(ValueError, match=r"train.deterministic: expected true or false, got 1"):
+        train(tiny_cfg(tmp_path, "det_bad", "train.deterministic=1"), progress=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_deterministic_runs_repeat_on_cuda(tmp_path):
+    """At the tiny config's own sizes (batch 32, 128 tokens, a 20-token vocabulary: the
+    embedding's backward adds many rows into each), two runs on a GPU give the same weights."""
+    sizes = [o for o in TINY_OVERRIDES if o.split("=")[0] in ("train.warmup", "train.log_every")]
+    runs = []
+    for name in ("one", "two"):
+        cfg = load_config("tiny", [*sizes, "data.generate.num_train=512", "data.generate.num_val=32",
+                                   "data.generate.num_test=32", f"data.path={tmp_path / 'listops'}",
+                                   f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / name}",
+                                   "train.steps=6", "train.eval_every=0", "train.checkpoint_every=0"])
+        train(cfg, progress=False)
+        runs.append(_weights(latest_checkpoint(tmp_path / name)))
+    assert runs[0].keys() == runs[1].keys() and all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
 
 
 def test_time_limit_ends_a_part_with_a_checkpoint(tmp_path):
