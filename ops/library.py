@@ -2,11 +2,14 @@
 
 CPU: the pure-PyTorch reference. CUDA: the kernels of `csrc/`, built on first use; where
 they cannot be built (no compiler) the reference runs on the GPU, with a warning. Attention of a
-head dim the fused kernel is not built for runs as the three ops it fuses, on their kernels. Fake
-implementations give shapes to `torch.compile`.
+head dim the fused kernel is not built for runs as the three ops it fuses, on their kernels; a
+batch x heads past the kernels' grid limit runs in slices. Fake implementations give shapes to
+`torch.compile`.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -315,6 +318,34 @@ def _kernel_or_reference(name, *args):
     return getattr(reference, name)(*args) if kernels is None else getattr(kernels, name)(*args)
 
 
+# The kernels lay batch x heads along a grid dimension of at most 65535 blocks; a larger batch
+# runs in slices of whole batches, a launch each.
+MAX_BH = 65535
+# The arguments of each op that hold batch x heads in dim 0: [BH, ...], or [B, heads, ...] (attention).
+BATCHED_ARGS = {"spmm": (3, 4, 5, 6), "sddmm": (3, 4, 5, 6), "sparse_softmax": (3,),
+                "sparse_attention": (3, 4, 5, 6, 7, 8)}
+
+
+def in_batch_slices(run, name, args, bh, heads=1):
+    """run(*args), or, where BH is past MAX_BH, run over slices of at most MAX_BH (whole batches of
+    `heads`) with the outputs (batch-major in dim 0, or a tuple of such) joined."""
+    if bh <= MAX_BH:
+        return run(*args)
+    step = MAX_BH // heads * heads
+    parts = []
+    for start in range(0, bh, step):
+        sliced = list(args)
+        for i in BATCHED_ARGS[name]:
+            t = args[i]
+            if t is not None:  # a [BH, ...] tensor, or one of whole batches ([B, heads, ...])
+                per = 1 if t.shape[0] == bh else heads
+                sliced[i] = t[start // per:(start + step) // per]
+        parts.append(run(*sliced))
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(p) for p in zip(*parts))
+    return torch.cat(parts)
+
+
 def _qkv_projection_cuda(x, weight, bias, scale, heads, bits):
     """The Triton GEMM with the quantization in its epilogue; without Triton, the projection by cuBLAS
     in fp32 and then the one-pass quantize kernel."""
@@ -336,12 +367,13 @@ FUSED_HEAD_DIMS = (32, 64, 128)
 
 
 def _sparse_attention_cuda(*args):
-    check_sparse_attention(*args)
+    bh = check_sparse_attention(*args)[0]
     query, value, qk_bits = args[3], args[5], args[11]
     per_byte = 2 if qk_bits == 4 else 1  # int4 packed in pairs (fp16 inputs take qk_bits 16)
     d, dv = query.shape[-1] * per_byte, value.shape[-1] * per_byte
     if d in FUSED_HEAD_DIMS and dv == d:
-        return _kernel_or_reference("sparse_attention", *args)
+        return in_batch_slices(partial(_kernel_or_reference, "sparse_attention"), "sparse_attention", args, bh,
+                               heads=args[13])
     ops = getattr(torch.ops, NAMESPACE)
     return reference.compose_attention(ops.sddmm, ops.sparse_softmax, ops.spmm, *args)
 
@@ -358,8 +390,10 @@ def _register(name):
         return ref(*args)
 
     def cuda(*args):
-        check(*args)
-        return _kernel_or_reference(name, *args)
+        shape = check(*args)
+        if name not in BATCHED_ARGS:
+            return _kernel_or_reference(name, *args)
+        return in_batch_slices(partial(_kernel_or_reference, name), name, args, bh=shape[0])
 
     torch.library.impl(f"{NAMESPACE}::{name}", "CPU")(cpu)
     torch.library.impl(f"{NAMESPACE}::{name}", "CUDA")(CUDA_IMPLS.get(name, cuda))

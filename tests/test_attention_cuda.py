@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from conftest import load_kernels, poison_allocator, problem, reordered, with_columns_shuffled
+from conftest import load_kernels, poison_allocator, problem, random_ints, reordered, with_columns_shuffled
 from magicube.ops import (SRBCRS, VectorMask, absmax_scale, from_container, quantize, random_vector_mask,
                           to_container)
 
@@ -578,6 +578,41 @@ def test_public_op_dispatches_to_kernel(kernels):
     got = sparse_attention(p.to("cuda"), q.cuda(), k.cuda(), val.cuda(), softmax_scale=0.125, qk_bits=8, p_bits=8,
                            scale_q=sq.cuda(), scale_k=sk.cuda(), scale_v=sv.cuda())
     check_quantized(p, emask, (q, k, val, sq, sk, sv), got.cpu(), want, 8, 0.125, 8, 8, "public op")
+
+
+def test_batches_past_the_grid_limit_run_in_slices(kernels):
+    """BH past 65535, the grid dimension the kernels lay batch x heads along: every public op runs
+    in slices of whole batches. The SpMM's and SDDMM's raw integer outputs equal the reference's;
+    the softmax's and the attention's equal the op's own outputs on the slices, joined."""
+    from magicube.ops import reference
+
+    bh, heads, v, n, d = 65540, 4, 8, 24, 32
+    p, _ = problem(bh, 2, n, v, 0.5, seed=3)
+    g = torch.Generator().manual_seed(7)
+    cuda = p.to("cuda")
+    pattern = (cuda.row_ptr, cuda.col_idx, cuda.row_order)
+    a = to_container(p.pack_values(random_ints((bh, p.m, n), 8, True, g)), 8, True).cuda()
+    q, k, val, b = (to_container(random_ints(shape, 8, True, g), 8).cuda()
+                    for shape in ((bh, p.m, d), (bh, n, d), (bh, n, d), (bh, n, d)))
+    spmm = (*pattern, a, b, None, None, v, p.m, 8, True, 8, torch.int64)
+    sddmm = (*pattern, q, k, None, None, v, 8, torch.int64)
+    assert torch.equal(torch.ops.magicube.spmm(*spmm), reference.spmm(*spmm))
+    assert torch.equal(torch.ops.magicube.sddmm(*sddmm), reference.sddmm(*sddmm))
+
+    def joined(op, args, step, batched):
+        parts = [op(*(t[i:i + step] if j in batched else t for j, t in enumerate(args))) for i in range(0, bh, step)]
+        return tuple(torch.cat(x) for x in zip(*parts)) if isinstance(parts[0], tuple) else torch.cat(parts)
+
+    scores = torch.randn(bh, p.nnz_pad * v, generator=g).half().cuda()
+    softmax = (*pattern, scores, v, 0.125, 8)
+    got, want = torch.ops.magicube.sparse_softmax(*softmax), joined(torch.ops.magicube.sparse_softmax, softmax,
+                                                                     65535, (3,))
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    scales = tuple(torch.rand(bh, rows, generator=g).cuda() / 64 for rows in (p.m, n, d))
+    attention = (*pattern, q, k, val, *scales, v, d**-0.5, 8, 8, heads)
+    got = torch.ops.magicube.sparse_attention(*attention)
+    assert got.shape == (bh // heads, p.m, heads, d)
+    assert torch.equal(got, joined(torch.ops.magicube.sparse_attention, attention, 65532, range(3, 9)))
 
 
 def test_current_stream_and_graph_capture(kernels):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import problem, random_ints
-from magicube.ops import qkv_projection, sddmm, sparse_softmax, spmm, to_container
+from magicube.ops import library, qkv_projection, reference, sddmm, sparse_softmax, spmm, to_container
 
 
 def _spmm_args(a_bits=8, b_bits=8, a_signed=True, bh=2, rows=3, k=37, n=10, v=4, device="cpu"):
@@ -103,6 +103,36 @@ def test_opcheck_sparse_attention_per_head_views(p_bits, qk_bits):
     args = (p.row_ptr, p.col_idx, p.row_order, *qkv.permute(2, 0, 3, 1, 4), *scales, v, d ** -0.5, qk_bits, p_bits,
             heads)
     torch.library.opcheck(torch.ops.magicube.sparse_attention.default, args)
+
+
+def test_batches_past_the_grid_limit_run_in_slices(monkeypatch):
+    """BH past MAX_BH (the kernels' grid limit) runs in slices of at most MAX_BH, whole batches of
+    heads, and the outputs joined are the output of one call (the reference stands in for the
+    kernels, at a limit of 5)."""
+    monkeypatch.setattr(library, "MAX_BH", 5)
+    g = torch.Generator().manual_seed(6)
+    bh, heads, length, d, v = 12, 3, 16, 8, 4
+    p, _ = problem(bh, length // v, length, v, 0.5, 6)
+    q, k, val = (to_container(random_ints((bh, length, d), 8, True, g), 8) for _ in range(3))
+    scales = tuple(torch.rand(bh, n, generator=g) / 16 for n in (length, length, d))
+    per_head = tuple(torch.rand(1, heads, 1, generator=g).expand(bh // heads, heads, n) for n in (length, length, d))
+    attention = (p.row_ptr, p.col_idx, p.row_order)
+    cases = [("spmm", _spmm_args(bh=bh)[1], 1, [5, 5, 2]), ("sddmm", _sddmm_args(bh=bh)[1], 1, [5, 5, 2]),
+             ("sparse_softmax", _softmax_args(bh=bh)[1], 1, [5, 5, 2]),
+             ("sparse_attention", (*attention, q, k, val, *scales, v, d ** -0.5, 8, 8, heads), heads, [3] * 4),
+             ("sparse_attention", (*attention, *(t.view(bh // heads, heads, length, d) for t in (q, k, val)),
+                                   *per_head, v, d ** -0.5, 8, 8, heads), heads, [3] * 4)]
+    for name, args, h, sizes in cases:
+        op, seen = getattr(reference, name), []
+
+        def run(*part, op=op, seen=seen):
+            seen.append(part[3].shape[0] * (part[3].shape[1] if part[3].dim() == 4 else 1))
+            return op(*part)
+
+        whole, sliced = op(*args), library.in_batch_slices(run, name, args, bh, h)
+        assert seen == sizes, name
+        for a, b in zip(*((whole, sliced) if isinstance(whole, tuple) else ((whole,), (sliced,)))):
+            assert torch.equal(a, b), name
 
 
 def test_sparse_attention_checks_per_head_views():
