@@ -21,8 +21,8 @@ TINY_OVERRIDES = [
 ]
 
 
-def tiny_cfg(tmp_path, name, *extra):
-    return load_config("tiny", [*TINY_OVERRIDES, f"data.path={tmp_path / 'listops'}",
+def tiny_cfg(tmp_path, name, *extra, sizes=TINY_OVERRIDES):
+    return load_config("tiny", [*sizes, f"data.path={tmp_path / 'listops'}",
                                 f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / name}", *extra])
 
 
@@ -160,14 +160,11 @@ def test_deterministic_algorithms_for_the_run_only(tmp_path):
 def test_deterministic_runs_repeat_on_cuda(tmp_path):
     """At the tiny config's own sizes (batch 32, 128 tokens, a 20-token vocabulary: the
     embedding's backward adds many rows into each), two runs on a GPU give the same weights."""
-    sizes = [o for o in TINY_OVERRIDES if o.split("=")[0] in ("train.warmup", "train.log_every")]
     runs = []
     for name in ("one", "two"):
-        cfg = load_config("tiny", [*sizes, "data.generate.num_train=512", "data.generate.num_val=32",
-                                   "data.generate.num_test=32", f"data.path={tmp_path / 'listops'}",
-                                   f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / name}",
-                                   "train.steps=6", "train.eval_every=0", "train.checkpoint_every=0"])
-        train(cfg, progress=False)
+        train(tiny_cfg(tmp_path, name, "data.generate.num_train=512", "data.generate.num_val=32",
+                       "data.generate.num_test=32", "train.warmup=4", "train.log_every=2", "train.steps=6",
+                       "train.eval_every=0", "train.checkpoint_every=0", sizes=()), progress=False)
         runs.append(_weights(latest_checkpoint(tmp_path / name)))
     assert runs[0].keys() == runs[1].keys() and all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
 
