@@ -362,16 +362,29 @@ def _qkv_projection_cuda(x, weight, bias, scale, heads, bits):
 
 
 # The head dims the fused attention kernel is built for (csrc/attention.cu; value's equal to
-# query's). Other shapes run the three ops it fuses, each on its own kernel: the same function.
+# query's). Other shapes, and keys past its exact accumulation, run the three ops it fuses, each on
+# its own kernel: the same function.
 FUSED_HEAD_DIMS = (32, 64, 128)
+
+
+def fused_sums_exact(n, qk_bits, p_bits):
+    """Whether the fused kernel's int32 accumulators hold the probabilities times value sums of N
+    keys exactly: the bound csrc/attention.cu checks. A row's 32-key blocks split over its 4 warps
+    (where one warp's would not hold them), and the largest per-slot term of a precision pair
+    times a warp's slots must stay under 2^31. fp16 accumulates in fp32: no bound."""
+    if p_bits == 0:
+        return True
+    term = 255 * 255 + 255 * 128 if qk_bits == 16 else 255 * 128
+    blocks = -(-n // 32)
+    return -(-blocks // 4) * 32 * term < 1 << 31
 
 
 def _sparse_attention_cuda(*args):
     bh = check_sparse_attention(*args)[0]
-    query, value, qk_bits = args[3], args[5], args[11]
+    query, key, value, qk_bits, p_bits = args[3], args[4], args[5], args[11], args[12]
     per_byte = 2 if qk_bits == 4 else 1  # int4 packed in pairs (fp16 inputs take qk_bits 16)
     d, dv = query.shape[-1] * per_byte, value.shape[-1] * per_byte
-    if d in FUSED_HEAD_DIMS and dv == d:
+    if d in FUSED_HEAD_DIMS and dv == d and fused_sums_exact(key.shape[-2], qk_bits, p_bits):
         return in_batch_slices(partial(_kernel_or_reference, "sparse_attention"), "sparse_attention", args, bh,
                                heads=args[13])
     ops = getattr(torch.ops, NAMESPACE)

@@ -459,6 +459,43 @@ def test_split_rows(kernels, p_bits, qk_bits, n):
     check_quantized(p, emask, inputs, got, want, v, d**-0.5, qk_bits, p_bits, f"split rows, N={n}")
 
 
+@pytest.mark.parametrize("p_bits, qk_bits", [(16, 16), (8, 8)], ids=["P16-QK16", "P8-QK8"])
+def test_keys_past_the_fused_accumulation_run_the_three_ops(kernels, p_bits, qk_bits):
+    """N past the exact int32 accumulation of the fused kernel even over split rows: the kernel
+    refuses it, the op runs the three ops instead (int64 sums in the SpMM), bit for bit the three
+    ops by hand and within the mode's bound of the reference. The op's bound is the kernel's: at
+    the last N it takes, the op runs the fused kernel."""
+    from magicube.ops.library import fused_sums_exact
+
+    v, d, step = 8, 32, 32
+    last = step
+    while fused_sums_exact(last + step, qk_bits, p_bits):
+        last += step
+    assert not fused_sums_exact(last + 1, qk_bits, p_bits)
+    ops = torch.ops.magicube
+    for n in (last, last + 1):
+        gm = torch.Generator().manual_seed(n)
+        mask = torch.zeros(2, n, dtype=torch.bool)
+        mask[0, torch.randperm(n, generator=gm)[:1000]] = True
+        mask[0, n - 1] = True  # the last key, alone in its block past the bound
+        p = SRBCRS.from_mask(VectorMask(mask, v), stride=32, shuffle=True)
+        g = torch.Generator().manual_seed(7)
+        inputs = make_inputs(1, p.m, n, d, p_bits, qk_bits, g)
+        cuda, dev = p.to("cuda"), [to_cuda(x) for x in inputs]
+        args = (cuda.row_ptr, cuda.col_idx, cuda.row_order, *dev, v, d**-0.5, qk_bits, p_bits, 1)
+        poison_allocator(float("nan"), torch.float16)
+        got = ops.sparse_attention(*args).view(1, p.m, d)
+        if n == last:
+            assert torch.equal(got, kernels.sparse_attention(*args).view(1, p.m, d)), f"N={n}: not the fused kernel"
+            continue
+        with pytest.raises(RuntimeError, match="exact int32 accumulation"):
+            kernels.sparse_attention(*args)
+        assert torch.equal(got, three_ops(cuda, *dev, v, d**-0.5, qk_bits, p_bits)), f"N={n}: not the three ops"
+        want = ops.sparse_attention(p.row_ptr, p.col_idx, p.row_order, *inputs, v, d**-0.5, qk_bits, p_bits, 1)
+        check_quantized(p, VectorMask(mask, v).to_dense(), inputs, got.cpu(), want.view(1, p.m, d), v, d**-0.5,
+                        qk_bits, p_bits, f"N={n}")
+
+
 @pytest.mark.parametrize("p_bits, qk_bits", PAIRS, ids=PAIR_IDS)
 def test_global_rows(kernels, p_bits, qk_bits):
     """Global tokens: 400 vector rows of density 0.01, 20 of them full (64 blocks against a mean of
