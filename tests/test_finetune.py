@@ -16,6 +16,9 @@ from magicube.train.finetune import calibrate, finetune, finetune_config
 from magicube.train.trainer import read_trainer_state, train
 
 PRECISIONS = list(QUANTIZED)
+# The fake-quantized forward trains on GPUs too, where its reductions run other kernels.
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
 
 
 def small_config(**kw):
@@ -114,7 +117,7 @@ def dense_attention(q, k, v, keep, p_bits, bits, softmax_scale, scales):
     return fakequant.fp16_ste(acc * (row_scale * sv))
 
 
-def awkward_problem(p_bits, bits, T=200, B=2, H=2, d=32):
+def awkward_problem(p_bits, bits, T=200, B=2, H=2, d=32, device="cpu"):
     """T = 25 row groups of 8 (no power of two), the first one empty, one full (a CLS row), one with a
     single entry (its max is that score, negative in some rows), 90 % sparse elsewhere; learned per-head
     scales that saturate the largest values; a fixed output weighting, so that a loss has the same
@@ -125,9 +128,9 @@ def awkward_problem(p_bits, bits, T=200, B=2, H=2, d=32):
     g = torch.Generator().manual_seed(p_bits + bits)
     q, k, v = (torch.randn(B, H, T, d, generator=g) * torch.tensor([1.0, 3.0])[:, None, None] for _ in range(3))
     absmax = torch.stack([t.abs().amax(dim=(0, 2, 3)) for t in (q, k, v)])
-    scales = fakequant.scales_from_absmax(0.8 * absmax, bits, "head").requires_grad_()
-    inputs = [*(t.requires_grad_() for t in (q, k, v)), scales]
-    return inputs, keep, torch.randn(B, H, T, d, generator=g)
+    scales = fakequant.scales_from_absmax(0.8 * absmax, bits, "head")
+    inputs = [t.to(device).requires_grad_() for t in (q, k, v, scales)]
+    return inputs, keep.to(device), torch.randn(B, H, T, d, generator=g).to(device)
 
 
 def assert_grads_close(got, want):
@@ -140,10 +143,11 @@ def assert_grads_close(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=3e-5 * b.abs().max().item())
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("p_bits", [8, 16])
-def test_compact_attention_against_the_dense_formulation(p_bits, bits):
-    (q, k, v, scales), keep, w = awkward_problem(p_bits, bits)
+def test_compact_attention_against_the_dense_formulation(p_bits, bits, device):
+    (q, k, v, scales), keep, w = awkward_problem(p_bits, bits, device=device)
     d = q.shape[-1]
     out = fakequant.attention(q, k, v, keep, p_bits=p_bits, bits=bits, softmax_scale=d ** -0.5, scales=scales)
     want = dense_attention(q, k, v, keep, p_bits, bits, d ** -0.5, scales)
@@ -158,9 +162,10 @@ def test_compact_attention_against_the_dense_formulation(p_bits, bits):
     assert_grads_close(got, torch.autograd.grad((want * w).sum(), (q, k, v, scales)))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("p_bits, bits", [(8, 4), (16, 8)])
-def test_chunked_compact_attention_equals_the_whole(monkeypatch, p_bits, bits):
-    (q, k, v, scales), keep, w = awkward_problem(p_bits, bits)
+def test_chunked_compact_attention_equals_the_whole(monkeypatch, p_bits, bits, device):
+    (q, k, v, scales), keep, w = awkward_problem(p_bits, bits, device=device)
     B, H, T, d = q.shape
 
     def run():
