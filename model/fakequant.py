@@ -20,9 +20,13 @@ Exactness, against the integer kernels:
   at 8 bits: fp32 (and TF32, whose 11-bit significand holds 8-bit integers) sums them exactly,
   in any order, so the scores are bit-identical to the SDDMM's.
 - p: the same fp32 exp(x - max) elementwise, so the same integers as the softmax op.
-- p @ q_V: p reaches 2^16 - 1 and the row sum of p q_V goes far past 2^24 (16-bit p times
-  8-bit V over thousands of columns), so fp32 could not hold it; it is summed in fp64, exact
-  below 2^53, and fp32(acc) is then the same round-to-nearest the kernels apply to the int64.
+- p @ q_V: a row of a chunk sums at most `longest` (the chunk's longest row) products of |p| <=
+  pmax and |q_V| <= 2^(bits-1). Where that bound stays within 2^24 (8-bit p on 8-bit V up to 514
+  kept entries a row, on 4-bit V up to 8224) and p and q_V have at most 11 bits (TF32's
+  significand, should it be switched on), fp32 sums it exactly, with half the bytes of fp64 in the
+  dense block of p, its product and their gradients. Otherwise (16-bit p, longer rows) the sum is
+  in fp64, exact below 2^53, and fp32(acc) is then the same round-to-nearest the kernels apply to
+  the int64.
 - The one inexact quantity is S, a sum of fp32 terms in another order than the op's: a few
   fp32 ulps relative, so row_scale and the output agree to far below the fp16 output rounding
   (the output is almost always bit-identical, otherwise one fp16 ulp off).
@@ -30,6 +34,7 @@ Exactness, against the integer kernels:
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -41,10 +46,10 @@ SCALE_MODES = ("absmax", "fixed", "learned")  # absmax: per (batch x head) of ea
 GRANULARITIES = ("head", "tensor")
 # A longer attention runs in chunks of query rows, recomputed in the backward pass. The budget
 # counts a chunk's dense [B, H, rows, T] elements, which bound its kept entries too. A chunk peaks
-# at about 16 bytes a dense element (the fp64 p and its gradient; the fp32 product and its gradient
-# come and go apart from them) plus 20 a kept entry (the compact values and gradients): 2^27 is
-# 2.3 GiB at 10 % kept, 4.5 GiB for a full mask, and at B=32, H=4, T=4096 16 chunks of 256 rows,
-# whose kernels are large enough that launches do not count.
+# at about 16 bytes a dense element (p in fp64 and its gradient, 8 where p @ q_V is exact in fp32;
+# the fp32 product and its gradient come and go apart from them) plus 20 a kept entry (the compact
+# values and gradients): 2^27 is 2.3 GiB at 10 % kept, 4.5 GiB for a full mask, and at B=32, H=4,
+# T=4096 16 chunks of 256 rows, whose kernels are large enough that launches do not count.
 CHUNK_ELEMENTS = 1 << 27
 
 
@@ -136,20 +141,37 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
         lengths = keep.sum(dim=1)
         offsets = F.pad(lengths.cumsum(0), (1, 0)).tolist()
         rows = max(1, CHUNK_ELEMENTS // max(1, B * H * k.shape[2]))
-        args = (ki, vi.double(), score_scale, sv, p_bits, softmax_scale)
-        if rows >= T:
-            return _rows(qi, row, col, lengths, *args)
-        parts = []
-        for r in range(0, T, rows):
-            lo, hi = offsets[r], offsets[min(r + rows, T)]
-            chunk = (qi[:, :, r:r + rows], row[lo:hi] - r, col[lo:hi], lengths[r:r + rows], *args)
-            parts.append(checkpoint(_rows, *chunk, use_reentrant=False) if torch.is_grad_enabled() else _rows(*chunk))
-        return torch.cat(parts, dim=2)
+        # Each chunk of rows [r, e) sums p @ q_V in the dtype its longest row needs (fp32 where that
+        # is exact), so a CLS row takes fp64 for its chunk alone.
+        chunks = []
+        for r in range(0, max(T, 1), rows):
+            e = min(r + rows, T)
+            longest = max(map(operator.sub, offsets[r + 1:e + 1], offsets[r:e]), default=0)
+            chunks.append((r, e, pv_dtype(p_bits, bits, longest)))
+        v_as = {dtype: vi.to(dtype) for dtype in {dtype for *_, dtype in chunks}}
+
+        def args(r, e, dtype):
+            lo, hi = offsets[r], offsets[e]
+            return (qi[:, :, r:e], row[lo:hi] - r, col[lo:hi], lengths[r:e], ki, v_as[dtype], score_scale, sv,
+                    p_bits, softmax_scale)
+
+        if len(chunks) == 1:
+            return _rows(*args(*chunks[0]))
+        recompute = torch.is_grad_enabled()
+        return torch.cat([checkpoint(_rows, *args(*c), use_reentrant=False) if recompute else _rows(*args(*c))
+                          for c in chunks], dim=2)
 
 
-def _rows(qi, row, col, lengths, ki, vd, score_scale, sv, p_bits: int, softmax_scale: float) -> torch.Tensor:
+def pv_dtype(p_bits: int, bits: int, longest: int) -> torch.dtype:
+    """The dtype that sums p @ q_V exactly for rows of at most `longest` kept entries (see above)."""
+    pmax, vmax = (1 << p_bits) - 1, 1 << (bits - 1)
+    exact_in_fp32 = max(p_bits, bits) <= 11 and pmax * vmax * longest <= 1 << 24
+    return torch.float32 if exact_in_fp32 else torch.float64
+
+
+def _rows(qi, row, col, lengths, ki, vi, score_scale, sv, p_bits: int, softmax_scale: float) -> torch.Tensor:
     """SDDMM -> softmax -> SpMM for a block of query rows (rows are independent), whose kept entries
-    are (row, col), row-major, lengths[i] of them in row i."""
+    are (row, col), row-major, lengths[i] of them in row i. p @ vi is summed in vi's dtype."""
     B, H, n, _ = qi.shape
     T = ki.shape[2]
     at = row * T + col
@@ -158,8 +180,8 @@ def _rows(qi, row, col, lengths, ki, vd, score_scale, sv, p_bits: int, softmax_s
     acc = (qi @ ki.transpose(-2, -1)).flatten(2).index_select(-1, at)
     scores = fp16_ste(acc * score_scale)
     p, row_scale = quantized_softmax(scores, row, lengths, softmax_scale, p_bits)
-    dense = p.new_zeros(B, H, n * T, dtype=torch.float64).scatter_(-1, at.expand(B, H, -1), p.double())
-    out = (dense.view(B, H, n, T) @ vd).float()
+    dense = p.new_zeros(B, H, n * T, dtype=vi.dtype).scatter_(-1, at.expand(B, H, -1), p.to(vi.dtype))
+    out = (dense.view(B, H, n, T) @ vi).float()
     return fp16_ste(out * (row_scale * sv))
 
 

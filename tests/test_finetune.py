@@ -163,9 +163,29 @@ def test_compact_attention_against_the_dense_formulation(p_bits, bits, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("p_bits, bits", [(8, 4), (16, 8)])
-def test_chunked_compact_attention_equals_the_whole(monkeypatch, p_bits, bits, device):
-    (q, k, v, scales), keep, w = awkward_problem(p_bits, bits, device=device)
+@pytest.mark.parametrize("p_bits, bits", [(8, 8), (8, 4), (16, 8)])
+def test_p_times_v_is_exact_in_the_dtype_chosen_for_the_longest_row(monkeypatch, p_bits, bits, device):
+    if device == "cuda":  # TF32 rounds fp32 inputs to 11 bits: the chosen dtype must hold up to it too
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    pmax, qmin, qmax = (1 << p_bits) - 1, -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    assert fakequant.pv_dtype(8, 8, 514) == torch.float32 and fakequant.pv_dtype(16, 8, 1) == torch.float64
+    g = torch.Generator().manual_seed(p_bits + bits)
+    for longest in (1, 300, 514, 515, 8224, 8225, 9000):  # both sides of 8-bit p's bounds (docstring)
+        p = torch.cat([torch.full((1, longest), pmax), torch.randint(0, pmax + 1, (3, longest), generator=g)])
+        # the largest odd sum (one qmin + 1 among qmin), which fp32 cannot hold past 2^24, and random columns
+        v = torch.cat([torch.full((longest, 1), qmin), torch.full((longest, 1), qmax),
+                       torch.randint(qmin, qmax + 1, (longest, 2), generator=g)], dim=1)
+        v[0, 0] += 1
+        dtype = fakequant.pv_dtype(p_bits, bits, longest)
+        got = (p.to(device, dtype) @ v.to(device, dtype)).cpu()
+        assert torch.equal(got.long(), p.long() @ v.long()), (longest, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+# T 600 at 8b-8b: the full row (600 kept) needs fp64 for p @ q_V, the other chunks sum it in fp32
+@pytest.mark.parametrize("p_bits, bits, T", [(8, 4, 200), (16, 8, 200), (8, 8, 600)])
+def test_chunked_compact_attention_equals_the_whole(monkeypatch, p_bits, bits, T, device):
+    (q, k, v, scales), keep, w = awkward_problem(p_bits, bits, T=T, device=device)
     B, H, T, d = q.shape
 
     def run():
@@ -175,7 +195,10 @@ def test_chunked_compact_attention_equals_the_whole(monkeypatch, p_bits, bits, d
     whole, grads = run()
     # 7 rows a chunk: chunks cut through row groups, the first holds nothing kept, the last is short
     monkeypatch.setattr(fakequant, "CHUNK_ELEMENTS", B * H * T * 7)
+    longest, pv_dtype = [], fakequant.pv_dtype
+    monkeypatch.setattr(fakequant, "pv_dtype", lambda p_bits, bits, n: longest.append(n) or pv_dtype(p_bits, bits, n))
     chunked, chunked_grads = run()
+    assert longest == [keep[r:r + 7].sum(dim=1).max().item() for r in range(0, T, 7)]  # each chunk's own
     assert torch.equal(chunked, whole)  # a row's entries, and so its sum S, never span two chunks
     assert_grads_close(chunked_grads, grads)
 
