@@ -33,11 +33,10 @@ Exactness, against the integer kernels:
 """
 from __future__ import annotations
 
+import itertools
 import math
-import operator
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from magicube.ops import absmax_scale, qrange, scale_of_absmax
@@ -139,15 +138,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
         # The kept entries in row-major order: those of rows [r, r + n) are one run, offsets[r]:offsets[r + n].
         row, col = keep.nonzero(as_tuple=True)
         lengths = keep.sum(dim=1)
-        offsets = F.pad(lengths.cumsum(0), (1, 0)).tolist()
+        counts = lengths.tolist()
+        offsets = list(itertools.accumulate(counts, initial=0))
         rows = max(1, CHUNK_ELEMENTS // max(1, B * H * k.shape[2]))
         # Each chunk of rows [r, e) sums p @ q_V in the dtype its longest row needs (fp32 where that
         # is exact), so a CLS row takes fp64 for its chunk alone.
-        chunks = []
-        for r in range(0, max(T, 1), rows):
-            e = min(r + rows, T)
-            longest = max(map(operator.sub, offsets[r + 1:e + 1], offsets[r:e]), default=0)
-            chunks.append((r, e, pv_dtype(p_bits, bits, longest)))
+        chunks = [(r, min(r + rows, T), pv_dtype(p_bits, bits, max(counts[r:r + rows], default=0)))
+                  for r in range(0, max(T, 1), rows)]
         v_as = {dtype: vi.to(dtype) for dtype in {dtype for *_, dtype in chunks}}
 
         def args(r, e, dtype):
