@@ -29,6 +29,20 @@ def _heads(heads):
     return heads
 
 
+def _tensors(**named) -> None:
+    """The wrappers' tensor arguments are tensors (before they read .device or .contiguous())."""
+    for name, t in named.items():
+        library.check_tensor(name, t, contiguous=False)
+
+
+def _scale_tensor(scale, name: str, device) -> torch.Tensor:
+    """A scale argument (a number, a sequence or a tensor) as an fp32 tensor on `device`."""
+    try:
+        return torch.as_tensor(scale, dtype=torch.float32, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name}: expected a number or a tensor of scales, got {scale!r}") from None
+
+
 def _number(value, name: str) -> float:
     """A real number (an int, a float, a one-element tensor) as a Python float, for the ops' float
     arguments."""
@@ -42,7 +56,7 @@ def expand_scale(scale, bh: int, n: int, name: str, device, heads: int | None = 
     """A per-tensor, per-(batch x head) or per-row scale as an fp32 [BH, n] view (expanded, not
     copied: the fused attention reads it in place; spmm and sddmm take it contiguous). With `heads`,
     also one scale per head shared by the batch ([heads]), as a [BH / heads, heads, n] view."""
-    s = torch.as_tensor(scale, dtype=torch.float32, device=device)
+    s = _scale_tensor(scale, name, device)
     if heads and s.dim() == 1 and s.numel() == heads:
         return s.view(1, heads, 1).expand(bh // heads, heads, n)
     if s.dim() == 1 and s.numel() in (1, bh):
@@ -55,11 +69,10 @@ def expand_scale(scale, bh: int, n: int, name: str, device, heads: int | None = 
 
 
 def _scales(scale_a, scale_b, bh, rows, cols, device):
-    """Contiguous [BH, rows] and [BH, cols] scales for spmm and sddmm."""
-    if scale_a is None and scale_b is None:
-        return None, None
-    return (expand_scale(scale_a, bh, rows, "scale_a", device).contiguous(),
-            expand_scale(scale_b, bh, cols, "scale_b", device).contiguous())
+    """Contiguous [BH, rows] and [BH, cols] scales for spmm and sddmm (a None stays None: the op
+    says which outputs need scales)."""
+    return tuple(None if s is None else expand_scale(s, bh, n, name, device).contiguous()
+                 for s, n, name in ((scale_a, rows, "scale_a"), (scale_b, cols, "scale_b")))
 
 
 def spmm(pattern: SRBCRS, a_values: torch.Tensor, b: torch.Tensor, *, a_bits: int = 16, b_bits: int = 16,
@@ -82,6 +95,7 @@ def spmm(pattern: SRBCRS, a_values: torch.Tensor, b: torch.Tensor, *, a_bits: in
     four at a time, as V 8 rows of their columns' union, where M is a multiple of 8), or
     MAGICUBE_SPMM_KERNEL=tuned times the ways at a problem's first call and runs the fastest after.
     """
+    _tensors(a_values=a_values, b=b)
     p = _pattern(pattern, b.device)
     if b.dim() != 3:
         raise ValueError(f"b: expected a [BH, K, N] tensor, got shape {tuple(b.shape)}")
@@ -101,6 +115,7 @@ def sddmm(pattern: SRBCRS, a: torch.Tensor, b: torch.Tensor, *, bits: int = 16, 
     A is [BH, M, K] and B [BH, N, K] (N = the pattern's columns), int4 packed along K; fp16 inputs
     take no scales and the default bits (fp16 arithmetic).
     """
+    _tensors(a=a, b=b)
     p = _pattern(pattern, a.device)
     if a.dim() != 3 or b.dim() != 3:
         raise ValueError(f"a, b: expected [BH, M, K] and [BH, N, K], got shapes {tuple(a.shape)} and {tuple(b.shape)}")
@@ -120,6 +135,7 @@ def sparse_softmax(pattern: SRBCRS, values: torch.Tensor, *, scale: float = 1.0,
     spmm(a_bits=out_bits, a_signed=False, scale_a=row_scale). Rows with no kept entry are 0; a row
     whose scores hold +inf or NaN, or -inf alone, is NaN (its row scale NaN at integer widths).
     """
+    _tensors(values=values)
     p = _pattern(pattern, values.device)
     return _ops.sparse_softmax(p.row_ptr, p.col_idx, p.row_order, values.contiguous(), p.v, _number(scale, "scale"),
                                out_bits, p.longest_row)
@@ -141,6 +157,7 @@ def sparse_attention(pattern: SRBCRS, query: torch.Tensor, key: torch.Tensor, va
     [B, M, heads, dv]: the heads side by side, as an output projection reads them (a view as
     [B, M, heads * dv]).
     """
+    _tensors(query=query, key=key, value=value)
     p = _pattern(pattern, query.device)
     heads = None if heads is None else _heads(heads)
     dims = (query.dim(), key.dim(), value.dim())
@@ -177,7 +194,8 @@ def quantize_to_container(x: torch.Tensor, scale, bits: int, signed: bool = True
     that varies along the last dim or broadcasts x to a larger shape, and an x the op does not
     take, go through the PyTorch path. Either way the container is contiguous.
     """
-    s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    _tensors(x=x)
+    s = _scale_tensor(scale, "scale", x.device)
     per_row = s.dim() <= x.dim() and (s.dim() == 0 or s.shape[-1] == 1) and \
         torch.broadcast_shapes(s.shape, x.shape) == x.shape
     # Shapes and strides only: torch.compile traces no address (the op copies an x whose first row is
@@ -201,8 +219,9 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     differ in its last bits, within the error bound of fp32 sums, and a quantized value then by a
     step at 8 bits, a few at 16 (rarely: 1 in 10^5 to 10^3 at the model's sizes).
     """
+    _tensors(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
     heads = _heads(heads)
-    s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    s = _scale_tensor(scale, "scale", x.device)
     if s.dim() == 1:
         s = s[:, None]
     if s.dim() != 2 or s.shape[0] != 3 or s.shape[1] not in (1, heads):

@@ -65,7 +65,7 @@ for _name, _schema in SCHEMAS.items():
 def _describe(t: torch.Tensor) -> str:
     return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
 
-def _check_tensor(name, t, dtype=None, dim=None, shape=None, device=None, contiguous=True):
+def check_tensor(name, t, dtype=None, dim=None, shape=None, device=None, contiguous=True):
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
     if dtype is not None and t.dtype != dtype:
@@ -80,17 +80,24 @@ def _check_tensor(name, t, dtype=None, dim=None, shape=None, device=None, contig
         raise ValueError(f"{name}: expected a contiguous tensor, got a strided view of shape {tuple(t.shape)}; "
                          "call .contiguous() first")
 
+def _check_arithmetic(name, t):
+    """The dtype picks the arithmetic: fp16, or integers in their containers. Other floats would
+    otherwise be taken for containers of the wrong width and named so."""
+    if t.is_floating_point() and t.dtype != torch.float16:
+        raise ValueError(f"{name}: expected torch.float16 (fp16 arithmetic) or the integer containers of "
+                         f"quantize_to_container, got {_describe(t)}; cast with .half() or quantize it")
+
 def _check_pattern(row_ptr, col_idx, row_order, v, device):
     if v not in VECTOR_LENGTHS:
         raise ValueError(f"v: expected one of {VECTOR_LENGTHS}, got {v!r}")
-    _check_tensor("row_ptr", row_ptr, torch.int32, 1, device=device)
+    check_tensor("row_ptr", row_ptr, torch.int32, 1, device=device)
     if row_ptr.numel() % 2:
         raise ValueError(f"row_ptr: expected 2*(M/V) entries (pairs), got {row_ptr.numel()}")
-    _check_tensor("col_idx", col_idx, torch.int32, 1, device=device)
+    check_tensor("col_idx", col_idx, torch.int32, 1, device=device)
     if col_idx.numel() % OP_STRIDE:
         raise ValueError(f"col_idx: the ops read patterns of stride {OP_STRIDE}; got {col_idx.numel()} slots, "
                          f"not a multiple of {OP_STRIDE} (build it with SRBCRS.from_mask(mask, stride={OP_STRIDE}))")
-    _check_tensor("row_order", row_order, torch.int32, 1, shape=(row_ptr.numel() // 2,), device=device)
+    check_tensor("row_order", row_order, torch.int32, 1, shape=(row_ptr.numel() // 2,), device=device)
     if row_ptr.numel() == 0 and col_idx.numel():
         # the kernels index rows from the blocks: a block with no row would read before the operands
         raise ValueError(f"col_idx: a pattern with no rows (empty row_ptr) has no columns, got {col_idx.numel()} slots")
@@ -107,15 +114,15 @@ def _check_scales(scale_a, scale_b, rows, cols, bh, device, quantized, out_dtype
     if out_dtype == torch.float16 and (scale_a is None or scale_b is None):
         raise ValueError("scale_a, scale_b: a float16 output of integer inputs needs both scales")
     if scale_a is not None:
-        _check_tensor("scale_a", scale_a, torch.float32, shape=(bh, rows), device=device)
+        check_tensor("scale_a", scale_a, torch.float32, shape=(bh, rows), device=device)
     if scale_b is not None:
-        _check_tensor("scale_b", scale_b, torch.float32, shape=(bh, cols), device=device)
+        check_tensor("scale_b", scale_b, torch.float32, shape=(bh, cols), device=device)
 
 def _check_values(name, t, bh, elements, bits, signed, device):
     """A value tensor of the SR-BCRS layout: [BH, nnz_pad*V] elements (int4 packed)."""
     dtype = torch.float16 if t.dtype == torch.float16 else container_dtype(bits, signed)
     width = elements // 2 if (bits == 4 and dtype == torch.uint8) else elements
-    _check_tensor(name, t, dtype, shape=(bh, width), device=device)
+    check_tensor(name, t, dtype, shape=(bh, width), device=device)
 
 def check_spmm(row_ptr, col_idx, row_order, a_values, b, scale_a, scale_b, v, m, a_bits, a_signed, b_bits,
                out_dtype, longest_row=-1):
@@ -124,13 +131,14 @@ def check_spmm(row_ptr, col_idx, row_order, a_values, b, scale_a, scale_b, v, m,
     _check_pattern(row_ptr, col_idx, row_order, v, device)
     if m != row_ptr.numel() // 2 * v:
         raise ValueError(f"m: expected (M/V)*V = {row_ptr.numel() // 2 * v} rows for this pattern, got {m}")
-    _check_tensor("b", b, dim=3, device=device)
+    check_tensor("b", b, dim=3, device=device)
+    _check_arithmetic("a_values", a_values)
     quantized = a_values.dtype != torch.float16
     if quantized:
         if (a_bits, b_bits) not in SPMM_PAIRS:
             raise ValueError(f"a_bits, b_bits: expected one of the pairs {SPMM_PAIRS}, got ({a_bits}, {b_bits})")
         check_bits(a_bits, a_signed, "a_bits")
-        _check_tensor("b", b, container_dtype(b_bits))
+        check_tensor("b", b, container_dtype(b_bits))
     elif b.dtype != torch.float16:
         raise ValueError(f"b: fp16 a_values need fp16 b, got {_describe(b)}")
     elif (a_bits, b_bits, a_signed) != (16, 16, True):
@@ -154,14 +162,15 @@ def check_sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, ou
     _check_longest_row(longest_row)
     device = a.device if isinstance(a, torch.Tensor) else None
     _check_pattern(row_ptr, col_idx, row_order, v, device)
-    _check_tensor("a", a, dim=3, device=device)
-    _check_tensor("b", b, dim=3, device=device)
+    check_tensor("a", a, dim=3, device=device)
+    check_tensor("b", b, dim=3, device=device)
+    _check_arithmetic("a", a)
     quantized = a.dtype != torch.float16
     if quantized:
         if bits not in SDDMM_BITS:
             raise ValueError(f"bits: expected one of {SDDMM_BITS}, got {bits!r}")
-        _check_tensor("a", a, container_dtype(bits))
-        _check_tensor("b", b, container_dtype(bits))
+        check_tensor("a", a, container_dtype(bits))
+        check_tensor("b", b, container_dtype(bits))
     elif b.dtype != torch.float16:
         raise ValueError(f"b: fp16 a needs fp16 b, got {_describe(b)}")
     elif bits != 16:
@@ -180,7 +189,7 @@ def check_sparse_softmax(row_ptr, col_idx, row_order, values, v, scale, out_bits
     _check_longest_row(longest_row)
     device = values.device if isinstance(values, torch.Tensor) else None
     _check_pattern(row_ptr, col_idx, row_order, v, device)
-    _check_tensor("values", values, torch.float16, 2, device=device)
+    check_tensor("values", values, torch.float16, 2, device=device)
     if values.shape[1] != col_idx.numel() * v:
         raise ValueError(f"values: expected [BH, nnz_pad*V = {col_idx.numel() * v}], got {_describe(values)}")
     if out_bits not in SOFTMAX_BITS:
@@ -191,7 +200,7 @@ def _attention_operand(name, t, dtype, heads, device):
     """Query, key or value: a contiguous [BH, rows, d'], or [B, heads, rows, d'] contiguous or at any
     strides with contiguous rows on strides of whole 16 bytes (per-head views of one Q/K/V
     projection output, read in place). Returns (BH, rows, d')."""
-    _check_tensor(name, t, dtype, device=device, contiguous=t.dim() == 3)
+    check_tensor(name, t, dtype, device=device, contiguous=t.dim() == 3)
     if t.dim() == 3:
         return tuple(t.shape)
     if t.dim() != 4:
@@ -208,7 +217,8 @@ def check_sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale
     _check_longest_row(longest_row)
     device = query.device if isinstance(query, torch.Tensor) else None
     _check_pattern(row_ptr, col_idx, row_order, v, device)
-    _check_tensor("query", query, device=device, contiguous=False)
+    check_tensor("query", query, device=device, contiguous=False)
+    _check_arithmetic("query", query)
     quantized = query.dtype != torch.float16
     if quantized and qk_bits not in SDDMM_BITS:
         raise ValueError(f"qk_bits: expected one of {SDDMM_BITS}, got {qk_bits!r}")
@@ -243,7 +253,7 @@ def check_sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale
                 raise ValueError(f"{name}: integer inputs need scale_q, scale_k and scale_v")
             # [BH, rows] or [B, heads, rows], at any strides (a per-head scale expanded over the batch)
             shape = (bh // heads, heads, rows) if isinstance(s, torch.Tensor) and s.dim() == 3 else (bh, rows)
-            _check_tensor(name, s, torch.float32, shape=shape, device=device, contiguous=False)
+            check_tensor(name, s, torch.float32, shape=shape, device=device, contiguous=False)
     elif any(s is not None for _, s, _ in scales):
         raise ValueError("scale_q, scale_k, scale_v: fp16 inputs take no scales; pass None")
     return bh, m, dv
@@ -267,7 +277,7 @@ def rows_readable(x) -> bool:
 def check_quantize(x, scale, bits, is_signed):
     """Returns the output shape: x's, with the last dim halved for int4."""
     device = x.device if isinstance(x, torch.Tensor) else None
-    _check_tensor("x", x, device=device, contiguous=False)
+    check_tensor("x", x, device=device, contiguous=False)
     if x.dtype not in (torch.float16, torch.float32):
         raise ValueError(f"x: expected float16 or float32 data, got {_describe(x)}")
     if not 1 <= x.dim() <= QUANTIZE_MAX_DIM:
@@ -282,7 +292,7 @@ def check_quantize(x, scale, bits, is_signed):
     if not rows_aligned(x):
         raise ValueError(f"x: rows must lie a multiple of 16 bytes apart; strides {x.stride()} (elements of "
                          f"{x.element_size()} bytes) do not, for {_describe(x)}")
-    _check_tensor("scale", scale, torch.float32, shape=x.shape[:-1], device=device, contiguous=False)
+    check_tensor("scale", scale, torch.float32, shape=x.shape[:-1], device=device, contiguous=False)
     check_bits(bits, is_signed)
     return (*x.shape[:-1], x.shape[-1] // 2 if bits == 4 else x.shape[-1])
 
@@ -290,14 +300,14 @@ def check_quantize(x, scale, bits, is_signed):
 def check_qkv_projection(x, weight, bias, scale, heads, bits):
     """Returns the output shape."""
     device = x.device if isinstance(x, torch.Tensor) else None
-    _check_tensor("x", x, torch.float16, 3, device=device)
+    check_tensor("x", x, torch.float16, 3, device=device)
     e = x.shape[2]
-    _check_tensor("weight", weight, torch.float16, shape=(3 * e, e), device=device)
+    check_tensor("weight", weight, torch.float16, shape=(3 * e, e), device=device)
     if bias is not None:
-        _check_tensor("bias", bias, torch.float16, shape=(3 * e,), device=device)
+        check_tensor("bias", bias, torch.float16, shape=(3 * e,), device=device)
     if heads < 1 or e % heads:
         raise ValueError(f"heads: expected a positive divisor of the embedding E = {e} (x's last dim), got {heads!r}")
-    _check_tensor("scale", scale, torch.float32, shape=(3, heads), device=device)
+    check_tensor("scale", scale, torch.float32, shape=(3, heads), device=device)
     if bits not in SDDMM_BITS:
         raise ValueError(f"bits: expected one of {SDDMM_BITS} (the SDDMM's Q/K widths), got {bits!r}")
     d = e // heads

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from conftest import problem, random_ints
-from magicube.ops import library, qkv_projection, reference, sddmm, sparse_softmax, spmm, to_container
+from magicube.ops import (library, qkv_projection, quantize_to_container, reference, sddmm, sparse_attention,
+                          sparse_softmax, spmm, to_container)
 
 
 def _spmm_args(a_bits=8, b_bits=8, a_signed=True, bh=2, rows=3, k=37, n=10, v=4, device="cpu"):
@@ -307,6 +308,51 @@ def test_sddmm_and_softmax_reject_bad_inputs_with_messages():
         with pytest.raises(ValueError, match=r"scale: expected a real number, got"):
             sparse_softmax(p, args[3], scale=scale)
     sparse_softmax(p, args[3], scale=torch.tensor(0.5))
+
+
+def test_floats_other_than_fp16_are_named_not_taken_for_containers():
+    """A float32 or bfloat16 operand would otherwise be checked against the integer container of
+    the default width and the message would name a dtype the user never meant."""
+    p, args = _spmm_args()
+    for dtype in (torch.float32, torch.bfloat16):
+        message = rf"expected torch.float16 \(fp16 arithmetic\) or the integer containers .*got {dtype}"
+        with pytest.raises(ValueError, match="a_values: " + message):
+            spmm(p, args[3].to(dtype), args[4].to(dtype))
+        q = torch.zeros(2, p.m, 8, dtype=dtype)
+        k = torch.zeros(2, p.k, 8, dtype=dtype)
+        with pytest.raises(ValueError, match="a: " + message):
+            sddmm(p, q, k)
+        with pytest.raises(ValueError, match="query: " + message):
+            sparse_attention(p, q, k, k, softmax_scale=1.0)
+
+
+def test_wrappers_name_an_argument_that_is_not_a_tensor_or_a_scale():
+    p, args = _spmm_args()
+    a, b = args[3], args[4]
+    q, k = torch.zeros(2, p.m, 8).half(), torch.zeros(2, p.k, 8).half()
+    x, w, bias, scale, heads, _ = _qkv_projection_args(8)
+    calls = [
+        (lambda: spmm(p, a.tolist(), b), r"a_values: expected a tensor, got list"),
+        (lambda: spmm(p, a, None), r"b: expected a tensor, got NoneType"),
+        (lambda: sddmm(p, q, k.numpy()), r"b: expected a tensor, got ndarray"),
+        (lambda: sparse_softmax(p, [0.0]), r"values: expected a tensor, got list"),
+        (lambda: sparse_attention(p, q, k, None, softmax_scale=1.0), r"value: expected a tensor, got NoneType"),
+        (lambda: quantize_to_container([1.0], 0.1, 8), r"x: expected a tensor, got list"),
+        (lambda: qkv_projection(x, w, bias.tolist(), scale, heads=heads, bits=8), r"bias: expected a tensor"),
+        (lambda: spmm(p, a, b, a_bits=8, b_bits=8, scale_a="x", scale_b=1.0),
+         r"scale_a: expected a number or a tensor of scales, got 'x'"),
+        (lambda: quantize_to_container(q, None, 8), r"scale: expected a number or a tensor of scales, got None"),
+        (lambda: qkv_projection(x, w, bias, "x", heads=heads, bits=8), r"scale: expected a number or a tensor"),
+        # one scale alone: the op says both are needed for an fp16 output
+        (lambda: spmm(p, a, b, a_bits=8, b_bits=8, scale_a=1.0),
+         r"scale_a, scale_b: a float16 output of integer inputs needs both scales"),
+    ]
+    for call, message in calls:
+        with pytest.raises(ValueError, match=message):
+            call()
+    # with a raw (int64) output the scales are not read, so one alone is no error
+    raw = spmm(p, a, b, a_bits=8, b_bits=8, scale_b=1.0, out_dtype=torch.int64)
+    assert torch.equal(raw, spmm(p, a, b, a_bits=8, b_bits=8, out_dtype=torch.int64))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
