@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from magicube.eval.evaluate import evaluate
 from magicube.model.lra import LRAClassifier
-from magicube.train.config import apply_overrides, config_names, load_config
+from magicube.train.config import apply_overrides, check_real, config_names, load_config
 from magicube.train.trainer import (accuracy, batch_indices, latest_checkpoint, lr_lambda, lra_lr_lambda,
                                     read_trainer_state, train)
 
@@ -60,10 +60,35 @@ def test_counts_out_of_range_are_refused_by_name(tmp_path):
                            ("train.steps=-1", r"train.steps: expected an integer >= 0, got -1"),
                            ("train.steps=2.5", r"train.steps: expected an integer >= 0, got 2.5"),
                            ("train.warmup=-1", r"train.warmup: expected an integer >= 0, got -1"),
-                           ("model.num_layers=0", r"num_layers: expected an integer >= 1, got 0")):
+                           ("model.num_layers=0", r"num_layers: expected an integer >= 1, got 0"),
+                           ("train.log_every=0", r"train.log_every: expected an integer >= 1, got 0"),
+                           ("train.keep_checkpoints=0", r"train.keep_checkpoints: expected an integer >= 1 or null"),
+                           ("train.eval_batches=-1", r"train.eval_batches: expected an integer >= 1 or null"),
+                           ("seed=x", r"seed: expected an integer >= 0, got 'x'")):
         with pytest.raises(ValueError, match=message):
             train(tiny_cfg(tmp_path, "counts", extra), progress=False)
     assert not (tmp_path / "counts").exists()
+
+
+def test_real_settings_out_of_range_are_refused_by_name(tmp_path):
+    """A negative clip norm would scale the gradients by a negative factor (an ascent, without a
+    word), a negative time limit stop the run at once; an unreadable number is named."""
+    for extra, message in (("train.grad_clip=-1", r"train.grad_clip: expected a real number > 0 or null, got -1"),
+                           ("train.max_minutes=0", r"train.max_minutes: expected a real number > 0 or null, got 0"),
+                           ("train.lr=-0.1", r"train.lr: expected a real number >= 0, got -0.1"),
+                           ("train.lr=abc", r"train.lr: expected a real number >= 0, got 'abc'"),
+                           ("train.weight_decay=.nan", r"train.weight_decay: expected a real number >= 0, got nan"),
+                           ("train.scale_lr=true", r"train.scale_lr: expected a real number >= 0, got True"),
+                           ("train.betas=[0.9]", r"train.betas: expected two numbers in \[0, 1\)"),
+                           ("train.betas=[0.9, 1]", r"train.betas\[1\]: expected a real number >= 0 and < 1, got 1"),
+                           ("train.schedule=cosine", r"train.schedule: expected 'lra' or 'constant', got 'cosine'"),
+                           ("data.task=image", r"data.task: expected one of \('text', 'listops'\), got 'image'")):
+        with pytest.raises(ValueError, match=message):
+            train(tiny_cfg(tmp_path, "reals", extra), progress=False)
+    assert not (tmp_path / "reals").exists()
+    # YAML 1.1 reads 1e-3 (no dot) as a string: it is the number it spells
+    assert apply_overrides({}, ["train.lr=1e-3"])["train"]["lr"] == "1e-3"
+    assert check_real("train.lr", "1e-3", least=0) == 1e-3
 
 
 def test_accelerator_settings_are_checked_by_name(tmp_path):

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from importlib import resources
 from pathlib import Path
 
@@ -48,12 +49,34 @@ def apply_overrides(cfg: dict, overrides) -> dict:
     return cfg
 
 
-def check_count(name: str, value, least: int) -> int:
+def check_count(name: str, value, least: int, optional: bool = False) -> int | None:
     """A setting that counts something (steps, a batch, examples, a model's layers): an integer of at
-    least `least`, refused by its dotted name otherwise (a bool is not a count)."""
+    least `least`, refused by its dotted name otherwise (a bool is not a count); null too if optional."""
+    if optional and value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name}: expected an integer >= {least}, got {value!r}")
+        raise ValueError(f"{name}: expected an integer >= {least}{' or null' * optional}, got {value!r}")
     return value
+
+
+def check_real(name: str, value, least: float | None = None, above: float | None = None,
+               below: float | None = None, optional: bool = False) -> float | None:
+    """A real setting (a learning rate, a norm, minutes) as a float within its bounds, refused by its
+    dotted name otherwise; null too if optional. YAML 1.1 reads `1e-3` (no dot) as a string, so a
+    string that spells a number is one."""
+    if optional and value is None:
+        return None
+    bounds = [f">= {least}"] * (least is not None) + [f"> {above}"] * (above is not None) + \
+        [f"< {below}"] * (below is not None)
+    expected = f"{name}: expected a real number {' and '.join(bounds)}{' or null' * optional}, got {value!r}"
+    try:
+        x = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        raise ValueError(expected) from None
+    if not (math.isfinite(x) and (least is None or x >= least) and (above is None or x > above)
+            and (below is None or x < below)):
+        raise ValueError(expected)
+    return x
 
 
 def dump_config(cfg: dict, path: str | Path) -> None:

@@ -34,7 +34,7 @@ from transformers.utils import logging as hf_logging
 
 from magicube.model.lra import QUANTIZED, LRAClassifier, LRAConfig
 from magicube.train import data as data_mod
-from magicube.train.config import check_count, dump_config, load_config
+from magicube.train.config import check_count, check_real, dump_config, load_config
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -52,8 +52,10 @@ MODEL_KEYS = tuple(k for k in inspect.signature(LRAConfig.__init__).parameters
 MIXED_PRECISIONS = ("no", "fp16", "bf16")  # train.mixed_precision, as accelerate names them
 
 # The train section's counts, and the least each may be (a batch of 0 divided by zero, and a negative
-# step count trained nothing, without a word).
-TRAIN_COUNTS = {"steps": 0, "batch_size": 1, "warmup": 0, "eval_batch_size": 1}
+# step count trained nothing, without a word); then those that may be null: evaluated and saved at the
+# end only, every checkpoint kept, the whole evaluation split.
+TRAIN_COUNTS = {"steps": 0, "batch_size": 1, "warmup": 0, "eval_batch_size": 1, "log_every": 1}
+OPTIONAL_COUNTS = {"eval_every": 0, "checkpoint_every": 0, "keep_checkpoints": 1, "eval_batches": 1}
 
 
 def _check_keys(cfg: dict, section: str, known: tuple[str, ...]) -> None:
@@ -67,9 +69,34 @@ def _check_keys(cfg: dict, section: str, known: tuple[str, ...]) -> None:
 
 def model_config(cfg: dict) -> LRAConfig:
     _check_keys(cfg, "model", MODEL_KEYS)
-    task = cfg["data"]["task"]
+    task = cfg["data"].get("task")
+    if task not in data_mod.VOCAB_SIZE:
+        raise ValueError(f"data.task: expected one of {tuple(data_mod.VOCAB_SIZE)}, got {task!r}")
     return LRAConfig(vocab_size=data_mod.VOCAB_SIZE[task], num_classes=data_mod.NUM_CLASSES[task],
                      **cfg.get("model", {}))
+
+
+def check_train_section(cfg: dict) -> None:
+    """Every setting of the train section and the seed, by name, before anything is written (a
+    negative clip norm would flip the gradients, a log interval of 0 divide by zero)."""
+    _check_keys(cfg, "train", TRAIN_KEYS)
+    tc = cfg["train"]
+    check_count("seed", cfg.get("seed", 0), 0)
+    for key, least in TRAIN_COUNTS.items():
+        check_count(f"train.{key}", tc.get(key, least), least)
+    for key, least in OPTIONAL_COUNTS.items():
+        check_count(f"train.{key}", tc.get(key), least, optional=True)
+    check_real("train.lr", tc.get("lr"), least=0)  # 0 trains nothing: a run that only shows where it starts
+    for key in ("scale_lr", "eps", "weight_decay"):
+        check_real(f"train.{key}", tc.get(key, 0), least=0)
+    for key in ("grad_clip", "max_minutes"):
+        check_real(f"train.{key}", tc.get(key), above=0, optional=True)
+    betas = tc.get("betas", (0.9, 0.98))
+    if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+        raise ValueError(f"train.betas: expected two numbers in [0, 1) (Adam's decays), got {betas!r}")
+    for i, beta in enumerate(betas):
+        check_real(f"train.betas[{i}]", beta, least=0, below=1)
+    lr_lambda(tc)  # refuses an unknown schedule
 
 
 def lra_lr_lambda(warmup: int):
@@ -381,10 +408,8 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
 def _train(cfg: dict, resume: bool, progress: bool, stop_after: int | None, init_model) -> dict:
     # The model and train sections checked before anything is written.
     mcfg = model_config(cfg)
-    _check_keys(cfg, "train", TRAIN_KEYS)
+    check_train_section(cfg)
     tc = cfg["train"]
-    for key, least in TRAIN_COUNTS.items():
-        check_count(f"train.{key}", tc.get(key, least), least)
     seed = int(cfg.get("seed", 0))
     out_dir = Path(cfg.get("out_dir") or f"runs/{cfg.get('name', 'run')}")
     mixed = tc.get("mixed_precision") or "no"  # YAML reads a bare `no` as False
@@ -411,7 +436,7 @@ def _train(cfg: dict, resume: bool, progress: bool, stop_after: int | None, init
     else:
         model = init_model(mcfg, (train_ids, train_labels), accelerator.device, ckpt is not None)
     optimizer = torch.optim.AdamW(param_groups(model, tc), lr=float(tc["lr"]),
-                                  betas=tuple(tc.get("betas", (0.9, 0.98))), eps=float(tc.get("eps", 1e-9)),
+                                  betas=tuple(map(float, tc.get("betas", (0.9, 0.98)))), eps=float(tc.get("eps", 1e-9)),
                                   weight_decay=float(tc.get("weight_decay", 0.0)))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc))
     model, optimizer = accelerator.prepare(model, optimizer)
