@@ -40,13 +40,17 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 from magicube import ops
 from magicube.model import fakequant
 from magicube.model.masks import KINDS, layer_mask
-from magicube.train.config import check_count
+from magicube.train.config import check_count, check_flag
 
 # backend -> (softmax output bits, Q/K/V bits)
 QUANTIZED = {"16b-8b": (16, 8), "8b-8b": (8, 8), "8b-4b": (8, 4)}
 BACKENDS = ("dense", "materialized", "sparse", *QUANTIZED)
 SPARSE_IMPLS = ("auto", "ops", "masked")
 POOLS = ("cls", "mean")
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 class LRAConfig(PretrainedConfig):
@@ -75,11 +79,14 @@ class LRAConfig(PretrainedConfig):
                                      ("quant_granularity", self.quant_granularity, fakequant.GRANULARITIES)):
             if value not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, got {value!r}")
-        for name in ("max_len", "emb_dim", "num_heads", "num_layers", "mlp_dim", "window"):
-            check_count(name, getattr(self, name), 0 if name == "window" else 1)
+        for name in ("max_len", "emb_dim", "num_heads", "num_layers", "mlp_dim", "window", "mask_seed"):
+            check_count(name, getattr(self, name), 0 if name in ("window", "mask_seed") else 1)
+        check_flag("fused", self.fused)
         for name in ("dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
+            if not (_is_real(getattr(self, name)) and 0.0 <= getattr(self, name) < 1.0):
                 raise ValueError(f"{name}: expected a probability in [0, 1), got {getattr(self, name)!r}")
+        if not (_is_real(self.sparsity) and 0.0 <= self.sparsity <= 1.0):
+            raise ValueError(f"sparsity: expected a fraction in [0, 1], got {self.sparsity!r}")
         if self.emb_dim % self.num_heads:
             raise ValueError(f"emb_dim {self.emb_dim} is not a multiple of num_heads {self.num_heads}")
         if self.max_len % self.v:

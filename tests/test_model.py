@@ -281,7 +281,12 @@ def test_masks():
     for settings, message in ((dict(num_layers=0), r"num_layers: expected an integer >= 1, got 0"),
                               (dict(window=-3), r"window: expected an integer >= 0, got -3"),
                               (dict(max_len=0), r"max_len: expected an integer >= 1, got 0"),
-                              (dict(dropout=1.0), r"dropout: expected a probability in \[0, 1\), got 1.0")):
+                              (dict(dropout=1.0), r"dropout: expected a probability in \[0, 1\), got 1.0"),
+                              (dict(attention_dropout="0.1"), r"attention_dropout: expected a probability .*'0.1'"),
+                              (dict(sparsity="abc"), r"sparsity: expected a fraction in \[0, 1\], got 'abc'"),
+                              (dict(sparsity=float("nan")), r"sparsity: expected a fraction in \[0, 1\], got nan"),
+                              (dict(fused="yes"), r"fused: expected true or false, got 'yes'"),
+                              (dict(mask_seed=-1), r"mask_seed: expected an integer >= 0, got -1")):
         with pytest.raises(ValueError, match=message):
             small_config(**settings)
     for kind in ("structured", "random"):

@@ -48,6 +48,7 @@ def test_configs_load_by_name_and_path(tmp_path):
 def test_unknown_model_and_train_keys_are_refused_by_name(tmp_path):
     """A typo in an override would otherwise be kept and ignored (LRAConfig keeps any keyword)."""
     for extra, message in ((["train.max_minute=8"], r"train: unknown key max_minute; expected keys among steps"),
+                           (["data.limt=8"], r"data: unknown key limt; expected keys among task"),
                            (["model.heads=2", "model.sparsty=0.5"],
                             r"model: unknown keys heads, sparsty; expected keys among max_len")):
         with pytest.raises(ValueError, match=message):
@@ -70,9 +71,10 @@ def test_counts_out_of_range_are_refused_by_name(tmp_path):
     assert not (tmp_path / "counts").exists()
 
 
-def test_real_settings_out_of_range_are_refused_by_name(tmp_path):
+def test_settings_out_of_range_are_refused_by_name(tmp_path):
     """A negative clip norm would scale the gradients by a negative factor (an ascent, without a
-    word), a negative time limit stop the run at once; an unreadable number is named."""
+    word), a negative time limit stop the run at once, a string be taken for true; an unreadable
+    number is named."""
     for extra, message in (("train.grad_clip=-1", r"train.grad_clip: expected a real number > 0 or null, got -1"),
                            ("train.max_minutes=0", r"train.max_minutes: expected a real number > 0 or null, got 0"),
                            ("train.lr=-0.1", r"train.lr: expected a real number >= 0, got -0.1"),
@@ -82,7 +84,12 @@ def test_real_settings_out_of_range_are_refused_by_name(tmp_path):
                            ("train.betas=[0.9]", r"train.betas: expected two numbers in \[0, 1\)"),
                            ("train.betas=[0.9, 1]", r"train.betas\[1\]: expected a real number >= 0 and < 1, got 1"),
                            ("train.schedule=cosine", r"train.schedule: expected 'lra' or 'constant', got 'cosine'"),
-                           ("data.task=image", r"data.task: expected one of \('text', 'listops'\), got 'image'")):
+                           ("data.task=image", r"data.task: expected one of \('text', 'listops'\), got 'image'"),
+                           ("data.limit=0", r"data.limit: expected an integer >= 1 or null, got 0"),
+                           ("data.auto_generate=maybe", r"data.auto_generate: expected true or false, got 'maybe'"),
+                           ("train.cpu=maybe", r"train.cpu: expected true or false, got 'maybe'"),
+                           ("train=5", r"train: expected a section of key: value settings, got 5"),
+                           ("model=[1]", r"model: expected a section of key: value settings, got \[1\]")):
         with pytest.raises(ValueError, match=message):
             train(tiny_cfg(tmp_path, "reals", extra), progress=False)
     assert not (tmp_path / "reals").exists()

@@ -59,6 +59,13 @@ def check_count(name: str, value, least: int, optional: bool = False) -> int | N
     return value
 
 
+def check_flag(name: str, value) -> bool:
+    """A true/false setting (YAML's `yes` and `no` are booleans too; a string such as 'maybe' is not)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected true or false, got {value!r}")
+    return value
+
+
 def check_real(name: str, value, least: float | None = None, above: float | None = None,
                below: float | None = None, optional: bool = False) -> float | None:
     """A real setting (a learning rate, a norm, minutes) as a float within its bounds, refused by its

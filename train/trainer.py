@@ -34,7 +34,7 @@ from transformers.utils import logging as hf_logging
 
 from magicube.model.lra import QUANTIZED, LRAClassifier, LRAConfig
 from magicube.train import data as data_mod
-from magicube.train.config import check_count, check_real, dump_config, load_config
+from magicube.train.config import check_count, check_flag, check_real, dump_config, load_config
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -56,6 +56,8 @@ MIXED_PRECISIONS = ("no", "fp16", "bf16")  # train.mixed_precision, as accelerat
 # end only, every checkpoint kept, the whole evaluation split.
 TRAIN_COUNTS = {"steps": 0, "batch_size": 1, "warmup": 0, "eval_batch_size": 1, "log_every": 1}
 OPTIONAL_COUNTS = {"eval_every": 0, "checkpoint_every": 0, "keep_checkpoints": 1, "eval_batches": 1}
+# What the data section may hold (limit: a fixed random subset of each split, for quick runs).
+DATA_KEYS = ("task", "path", "auto_generate", "cache_dir", "generate", "limit")
 
 
 def _check_keys(cfg: dict, section: str, known: tuple[str, ...]) -> None:
@@ -76,9 +78,16 @@ def model_config(cfg: dict) -> LRAConfig:
                      **cfg.get("model", {}))
 
 
-def check_train_section(cfg: dict) -> None:
-    """Every setting of the train section and the seed, by name, before anything is written (a
-    negative clip norm would flip the gradients, a log interval of 0 divide by zero)."""
+def check_config(cfg: dict) -> None:
+    """The data and train sections and the seed, setting by setting, before anything is written (a
+    negative clip norm would flip the gradients, a log interval of 0 divide by zero; the model
+    section is LRAConfig's to check)."""
+    for section in ("data", "model", "train"):
+        if not isinstance(cfg.get(section, {}), dict):
+            raise ValueError(f"{section}: expected a section of key: value settings, got {cfg[section]!r}")
+    _check_keys(cfg, "data", DATA_KEYS)
+    check_count("data.limit", cfg["data"].get("limit"), 1, optional=True)
+    check_flag("data.auto_generate", cfg["data"].get("auto_generate", False))
     _check_keys(cfg, "train", TRAIN_KEYS)
     tc = cfg["train"]
     check_count("seed", cfg.get("seed", 0), 0)
@@ -97,6 +106,11 @@ def check_train_section(cfg: dict) -> None:
     for i, beta in enumerate(betas):
         check_real(f"train.betas[{i}]", beta, least=0, below=1)
     lr_lambda(tc)  # refuses an unknown schedule
+    mixed = tc.get("mixed_precision") or "no"  # YAML reads a bare `no` as False
+    if mixed not in MIXED_PRECISIONS:
+        raise ValueError(f"train.mixed_precision: expected one of {MIXED_PRECISIONS}, got {mixed!r}")
+    for key in ("cpu", "deterministic"):
+        check_flag(f"train.{key}", tc.get(key, False))
 
 
 def lra_lr_lambda(warmup: int):
@@ -398,24 +412,17 @@ def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int
     `init_model(config, train_split, device, resuming)` builds the model in place of a fresh
     one (finetuning starts from trained weights); when resuming, the checkpoint's weights follow.
     """
-    deterministic = (cfg.get("train") or {}).get("deterministic", False)
-    if not isinstance(deterministic, bool):
-        raise ValueError(f"train.deterministic: expected true or false, got {deterministic!r}")
-    with deterministic_algorithms(deterministic):
+    check_config(cfg)
+    with deterministic_algorithms(cfg["train"].get("deterministic", False)):
         return _train(cfg, resume, progress, stop_after, init_model)
 
 
 def _train(cfg: dict, resume: bool, progress: bool, stop_after: int | None, init_model) -> dict:
-    # The model and train sections checked before anything is written.
-    mcfg = model_config(cfg)
-    check_train_section(cfg)
+    mcfg = model_config(cfg)  # checked, as the config was, before anything is written
     tc = cfg["train"]
-    seed = int(cfg.get("seed", 0))
+    seed = cfg.get("seed", 0)
     out_dir = Path(cfg.get("out_dir") or f"runs/{cfg.get('name', 'run')}")
-    mixed = tc.get("mixed_precision") or "no"  # YAML reads a bare `no` as False
-    if mixed not in MIXED_PRECISIONS:
-        raise ValueError(f"train.mixed_precision: expected one of {MIXED_PRECISIONS}, got {mixed!r}")
-    accelerator = _accelerator(mixed, bool(tc.get("cpu", False)))
+    accelerator = _accelerator(tc.get("mixed_precision") or "no", tc.get("cpu", False))
     main = accelerator.is_main_process
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
