@@ -172,8 +172,8 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m magicube.eval.bench_model", description=__doc__,
+def main(argv=None, prog: str = "python -m magicube.eval.bench_model") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--batch", nargs="+", type=positive_int, default=[2, 8])

@@ -126,7 +126,7 @@ def _cmd_demo(args) -> int:
 def _cmd_bench(args) -> int:
     from magicube.eval import bench_model
 
-    return bench_model.main(args.rest)
+    return bench_model.main(args.rest, prog="magicube bench")
 
 
 def _cmd_build(args) -> int:

@@ -137,7 +137,9 @@ def test_counts_out_of_range_are_refused_by_option(args, message, capsys):
     of the shuffled split; the benchmark took such values into the run."""
     with pytest.raises(SystemExit):
         main(args)
-    assert re.search(message, capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert re.search(message, err)
+    assert f"magicube {args[0]}: error:" in err  # the command the user typed, not the module behind it
 
 
 def test_errors_are_reported_not_raised(tmp_path, capsys):
