@@ -332,6 +332,13 @@ class LRAClassifier(LRAPreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> SequenceClassifierOutput:
         c = self.config
+        # metadata only: a range check of the ids would cost a device sync every forward
+        if not isinstance(input_ids, torch.Tensor):
+            raise ValueError(f"input_ids: expected a tensor of token ids, got {type(input_ids).__name__}")
+        if input_ids.dim() != 2 or input_ids.is_floating_point() or input_ids.is_complex() \
+                or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids: expected a 2-D [batch, tokens] tensor of integer token ids, got "
+                             f"{input_ids.dtype} tensor of shape {tuple(input_ids.shape)}")
         if input_ids.shape[1] > c.input_len:
             raise ValueError(f"input_ids: {input_ids.shape[1]} tokens, the model takes at most {c.input_len}")
         # The masks are built for exactly max_len positions: pad shorter inputs.

@@ -330,6 +330,16 @@ def test_input_checks():
     model = LRAClassifier(small_config())
     with pytest.raises(ValueError, match="at most 63"):
         model(torch.zeros(1, 64, dtype=torch.long))
+    # token ids are integers in 2-D: a float would be truncated to an id without a word
+    for ids, got in ((torch.full((1, 8), 2.7), r"torch.float32 tensor of shape \(1, 8\)"),
+                     (torch.zeros(8, dtype=torch.long), r"torch.int64 tensor of shape \(8,\)"),
+                     (torch.zeros(1, 8, dtype=torch.bool), r"torch.bool tensor")):
+        with pytest.raises(ValueError, match=r"input_ids: expected a 2-D \[batch, tokens\] tensor of integer token "
+                                             rf"ids, got {got}"):
+            model(ids)
+    with pytest.raises(ValueError, match="input_ids: expected a tensor of token ids, got list"):
+        model([[1, 2]])
+    assert model(torch.ones(2, 8, dtype=torch.int16)).logits.shape == (2, 10)  # the data's own dtype
     mean = LRAClassifier(small_config(pool="mean"))
     assert mean.config.input_len == 64 and mean(torch.ones(2, 64, dtype=torch.long)).logits.shape == (2, 10)
 
