@@ -56,45 +56,41 @@ def test_unknown_model_and_train_keys_are_refused_by_name(tmp_path):
     assert not (tmp_path / "typo").exists()
 
 
-def test_counts_out_of_range_are_refused_by_name(tmp_path):
-    for extra, message in (("train.batch_size=0", r"train.batch_size: expected an integer >= 1, got 0"),
-                           ("train.steps=-1", r"train.steps: expected an integer >= 0, got -1"),
-                           ("train.steps=2.5", r"train.steps: expected an integer >= 0, got 2.5"),
-                           ("train.warmup=-1", r"train.warmup: expected an integer >= 0, got -1"),
-                           ("model.num_layers=0", r"num_layers: expected an integer >= 1, got 0"),
-                           ("train.log_every=0", r"train.log_every: expected an integer >= 1, got 0"),
-                           ("train.keep_checkpoints=0", r"train.keep_checkpoints: expected an integer >= 1 or null"),
-                           ("train.eval_batches=-1", r"train.eval_batches: expected an integer >= 1 or null"),
-                           ("seed=x", r"seed: expected an integer >= 0, got 'x'")):
-        with pytest.raises(ValueError, match=message):
-            train(tiny_cfg(tmp_path, "counts", extra), progress=False)
-    assert not (tmp_path / "counts").exists()
+@pytest.mark.parametrize("extra, message", [
+    ("train.batch_size=0", r"train.batch_size: expected an integer >= 1, got 0"),
+    ("train.steps=-1", r"train.steps: expected an integer >= 0, got -1"),
+    ("train.steps=2.5", r"train.steps: expected an integer >= 0, got 2.5"),
+    ("train.warmup=-1", r"train.warmup: expected an integer >= 0, got -1"),
+    ("model.num_layers=0", r"num_layers: expected an integer >= 1, got 0"),
+    ("train.log_every=0", r"train.log_every: expected an integer >= 1, got 0"),  # divided by zero
+    ("train.keep_checkpoints=0", r"train.keep_checkpoints: expected an integer >= 1 or null"),
+    ("train.eval_batches=-1", r"train.eval_batches: expected an integer >= 1 or null"),
+    ("seed=x", r"seed: expected an integer >= 0, got 'x'"),
+    # a negative clip norm scaled the gradients by a negative factor (an ascent, without a word)
+    ("train.grad_clip=-1", r"train.grad_clip: expected a real number > 0 or null, got -1"),
+    ("train.max_minutes=0", r"train.max_minutes: expected a real number > 0 or null, got 0"),
+    ("train.lr=-0.1", r"train.lr: expected a real number >= 0, got -0.1"),
+    ("train.lr=abc", r"train.lr: expected a real number >= 0, got 'abc'"),
+    ("train.weight_decay=.nan", r"train.weight_decay: expected a real number >= 0, got nan"),
+    ("train.scale_lr=true", r"train.scale_lr: expected a real number >= 0, got True"),
+    ("train.betas=[0.9]", r"train.betas: expected two numbers in \[0, 1\)"),
+    ("train.betas=[0.9, 1]", r"train.betas\[1\]: expected a real number >= 0 and < 1, got 1"),
+    ("train.schedule=cosine", r"train.schedule: expected 'lra' or 'constant', got 'cosine'"),
+    ("data.task=image", r"data.task: expected one of \('text', 'listops'\), got 'image'"),
+    ("data.limit=0", r"data.limit: expected an integer >= 1 or null, got 0"),
+    ("data.auto_generate=maybe", r"data.auto_generate: expected true or false, got 'maybe'"),  # not taken for true
+    ("train.cpu=maybe", r"train.cpu: expected true or false, got 'maybe'"),
+    ("train=5", r"train: expected a section of key: value settings, got 5"),
+    ("model=[1]", r"model: expected a section of key: value settings, got \[1\]"),
+])
+def test_settings_out_of_range_are_refused_by_name(tmp_path, extra, message):
+    with pytest.raises(ValueError, match=message):
+        train(tiny_cfg(tmp_path, "refused", extra), progress=False)
+    assert not (tmp_path / "refused").exists()
 
 
-def test_settings_out_of_range_are_refused_by_name(tmp_path):
-    """A negative clip norm would scale the gradients by a negative factor (an ascent, without a
-    word), a negative time limit stop the run at once, a string be taken for true; an unreadable
-    number is named."""
-    for extra, message in (("train.grad_clip=-1", r"train.grad_clip: expected a real number > 0 or null, got -1"),
-                           ("train.max_minutes=0", r"train.max_minutes: expected a real number > 0 or null, got 0"),
-                           ("train.lr=-0.1", r"train.lr: expected a real number >= 0, got -0.1"),
-                           ("train.lr=abc", r"train.lr: expected a real number >= 0, got 'abc'"),
-                           ("train.weight_decay=.nan", r"train.weight_decay: expected a real number >= 0, got nan"),
-                           ("train.scale_lr=true", r"train.scale_lr: expected a real number >= 0, got True"),
-                           ("train.betas=[0.9]", r"train.betas: expected two numbers in \[0, 1\)"),
-                           ("train.betas=[0.9, 1]", r"train.betas\[1\]: expected a real number >= 0 and < 1, got 1"),
-                           ("train.schedule=cosine", r"train.schedule: expected 'lra' or 'constant', got 'cosine'"),
-                           ("data.task=image", r"data.task: expected one of \('text', 'listops'\), got 'image'"),
-                           ("data.limit=0", r"data.limit: expected an integer >= 1 or null, got 0"),
-                           ("data.auto_generate=maybe", r"data.auto_generate: expected true or false, got 'maybe'"),
-                           ("train.cpu=maybe", r"train.cpu: expected true or false, got 'maybe'"),
-                           ("train=5", r"train: expected a section of key: value settings, got 5"),
-                           ("model=[1]", r"model: expected a section of key: value settings, got \[1\]")):
-        with pytest.raises(ValueError, match=message):
-            train(tiny_cfg(tmp_path, "reals", extra), progress=False)
-    assert not (tmp_path / "reals").exists()
-    # YAML 1.1 reads 1e-3 (no dot) as a string: it is the number it spells
-    assert apply_overrides({}, ["train.lr=1e-3"])["train"]["lr"] == "1e-3"
+def test_a_number_yaml_reads_as_a_string_is_the_number_it_spells():
+    assert apply_overrides({}, ["train.lr=1e-3"])["train"]["lr"] == "1e-3"  # YAML 1.1 wants a dot
     assert check_real("train.lr", "1e-3", least=0) == 1e-3
 
 
