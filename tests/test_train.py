@@ -82,6 +82,7 @@ def test_unknown_model_and_train_keys_are_refused_by_name(tmp_path):
     ("train.cpu=maybe", r"train.cpu: expected true or false, got 'maybe'"),
     ("train=5", r"train: expected a section of key: value settings, got 5"),
     ("model=[1]", r"model: expected a section of key: value settings, got \[1\]"),
+    ("data=null", r"data: expected a section of key: value settings, got None"),
 ])
 def test_settings_out_of_range_are_refused_by_name(tmp_path, extra, message):
     with pytest.raises(ValueError, match=message):

@@ -83,8 +83,9 @@ def check_config(cfg: dict) -> None:
     negative clip norm would flip the gradients, a log interval of 0 divide by zero; the model
     section is LRAConfig's to check)."""
     for section in ("data", "model", "train"):
-        if not isinstance(cfg.get(section, {}), dict):
-            raise ValueError(f"{section}: expected a section of key: value settings, got {cfg[section]!r}")
+        value = cfg.get(section, {} if section == "model" else None)  # the model's defaults are LRAConfig's
+        if not isinstance(value, dict):
+            raise ValueError(f"{section}: expected a section of key: value settings, got {value!r}")
     _check_keys(cfg, "data", DATA_KEYS)
     check_count("data.limit", cfg["data"].get("limit"), 1, optional=True)
     check_flag("data.auto_generate", cfg["data"].get("auto_generate", False))
