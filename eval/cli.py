@@ -84,7 +84,7 @@ def _cmd_demo(args) -> int:
     from magicube.eval.evaluate import evaluate, to_markdown, write_report
     from magicube.ops import extension
     from magicube.train.config import load_config
-    from magicube.train.finetune import finetune
+    from magicube.train.finetune import finetune, is_finetune_override
     from magicube.train.trainer import train
 
     cfg = load_config(args.config, [f"out_dir={args.out_dir}", *args.overrides])
@@ -105,7 +105,7 @@ def _cmd_demo(args) -> int:
     print(to_markdown(report))
     t1 = time.time()
     # the source run's config carries the other overrides (sizes, paths) into the finetuning run
-    tuned = finetune(run_dir, precision=precision, overrides=[o for o in args.overrides if o.startswith("finetune.")],
+    tuned = finetune(run_dir, precision=precision, overrides=[o for o in args.overrides if is_finetune_override(o)],
                      resume=args.resume, progress=not args.no_progress)
     t_tune = time.time() - t1
     tuned_report = evaluate(tuned["out_dir"], progress=not args.no_progress)

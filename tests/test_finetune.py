@@ -381,3 +381,8 @@ def test_finetune_config_composition(source):
         finetune_config(ckpt, "8b-8b", overrides=["finetune.scales=sometimes"])
     with pytest.raises(ValueError, match=r"finetune.calibration_batches: expected an integer >= 1, got 0"):
         finetune_config(ckpt, "8b-8b", overrides=["finetune.calibration_batches=0"])
+    # a typo would be kept and ignored; a whole section replaced is read before the late overrides
+    with pytest.raises(ValueError, match=r"finetune: unknown key scale; expected keys among precision"):
+        finetune_config(ckpt, "8b-8b", overrides=["finetune.scale=fixed"])
+    with pytest.raises(ValueError, match=r"finetune: expected a section of key: value settings, got 3"):
+        finetune_config(ckpt, "8b-8b", overrides=["finetune=3"])

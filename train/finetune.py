@@ -27,14 +27,19 @@ import torch
 from magicube.model import fakequant
 from magicube.model.lra import QUANTIZED, LRAClassifier
 from magicube.train.config import apply_overrides, check_count, config_names, load_config
-from magicube.train.trainer import batch_indices, load_weights, resolve_checkpoint, train
+from magicube.train.trainer import batch_indices, check_keys, load_weights, resolve_checkpoint, train
+
+
+# What a finetune section may hold (`from` and `source_attention` are written into the run's own).
+FINETUNE_KEYS = ("precision", "scales", "granularity", "calibration_batches", "out_dir", "train", "from",
+                 "source_attention")
 
 
 def finetune_section(source: dict, config: str | Path | None) -> dict:
     if config is not None:
         section = load_config(config).get("finetune")
         where = f"config {config!r}"
-    elif "finetune" in source:
+    elif isinstance(source.get("finetune"), dict):
         # a finetuned source: its section, less where that run went and came from
         return {k: v for k, v in copy.deepcopy(source["finetune"]).items()
                 if k not in ("out_dir", "from", "source_attention")}
@@ -47,14 +52,22 @@ def finetune_section(source: dict, config: str | Path | None) -> dict:
     return copy.deepcopy(section)
 
 
+def is_finetune_override(override: str) -> bool:
+    """`finetune.key=value` or `finetune=...`: applied before the composition that reads the section."""
+    return override.partition("=")[0].split(".")[0] == "finetune"
+
+
 def finetune_config(ckpt: Path, precision: str | None = None, config: str | Path | None = None,
                     overrides=()) -> dict:
     """The run config of a finetuning run from checkpoint `ckpt` (see the module docstring)."""
     source = load_config(ckpt / "run_config.yaml")
     source["finetune"] = finetune_section(source, config)
-    early = [o for o in overrides if o.startswith("finetune.")]
+    early = [o for o in overrides if is_finetune_override(o)]
     cfg = apply_overrides(source, early)
     ft = cfg["finetune"]
+    if not isinstance(ft, dict):
+        raise ValueError(f"finetune: expected a section of key: value settings, got {ft!r}")
+    check_keys(cfg, "finetune", FINETUNE_KEYS)
     precision = precision or ft.get("precision")
     if precision not in QUANTIZED:
         raise ValueError(f"precision: expected one of {list(QUANTIZED)}, got {precision!r}")
@@ -75,7 +88,7 @@ def finetune_config(ckpt: Path, precision: str | None = None, config: str | Path
     cfg["name"] = f"{source.get('name', 'run')}-{precision}"
     cfg["out_dir"] = str(ft.get("out_dir") or run_dir / f"finetune_{precision}")
     cfg["eval"] = {**cfg.get("eval", {}), "backends": ["sparse-masked", "sparse", f"{precision}-fake", precision]}
-    return apply_overrides(cfg, [o for o in overrides if not o.startswith("finetune.")])
+    return apply_overrides(cfg, [o for o in overrides if not is_finetune_override(o)])
 
 
 @torch.no_grad()

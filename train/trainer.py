@@ -60,7 +60,7 @@ OPTIONAL_COUNTS = {"eval_every": 0, "checkpoint_every": 0, "keep_checkpoints": 1
 DATA_KEYS = ("task", "path", "auto_generate", "cache_dir", "generate", "limit")
 
 
-def _check_keys(cfg: dict, section: str, known: tuple[str, ...]) -> None:
+def check_keys(cfg: dict, section: str, known: tuple[str, ...]) -> None:
     """A key the code does not read is a typo (`train.max_minute=8` would train without a limit, and
     LRAConfig, a transformers config, keeps any keyword): refused by name."""
     unknown = sorted(set(cfg.get(section) or {}) - set(known))
@@ -70,7 +70,7 @@ def _check_keys(cfg: dict, section: str, known: tuple[str, ...]) -> None:
 
 
 def model_config(cfg: dict) -> LRAConfig:
-    _check_keys(cfg, "model", MODEL_KEYS)
+    check_keys(cfg, "model", MODEL_KEYS)
     task = cfg["data"].get("task")
     if task not in data_mod.VOCAB_SIZE:
         raise ValueError(f"data.task: expected one of {tuple(data_mod.VOCAB_SIZE)}, got {task!r}")
@@ -86,10 +86,10 @@ def check_config(cfg: dict) -> None:
         value = cfg.get(section, {} if section == "model" else None)  # the model's defaults are LRAConfig's
         if not isinstance(value, dict):
             raise ValueError(f"{section}: expected a section of key: value settings, got {value!r}")
-    _check_keys(cfg, "data", DATA_KEYS)
+    check_keys(cfg, "data", DATA_KEYS)
     check_count("data.limit", cfg["data"].get("limit"), 1, optional=True)
     check_flag("data.auto_generate", cfg["data"].get("auto_generate", False))
-    _check_keys(cfg, "train", TRAIN_KEYS)
+    check_keys(cfg, "train", TRAIN_KEYS)
     tc = cfg["train"]
     check_count("seed", cfg.get("seed", 0), 0)
     for key, least in TRAIN_COUNTS.items():
