@@ -49,6 +49,7 @@ def test_unknown_model_and_train_keys_are_refused_by_name(tmp_path):
     """A typo in an override would otherwise be kept and ignored (LRAConfig keeps any keyword)."""
     for extra, message in ((["train.max_minute=8"], r"train: unknown key max_minute; expected keys among steps"),
                            (["data.limt=8"], r"data: unknown key limt; expected keys among task"),
+                           (["trian.steps=8"], r"config: unknown key trian; expected keys among name, seed"),
                            (["model.heads=2", "model.sparsty=0.5"],
                             r"model: unknown keys heads, sparsty; expected keys among max_len")):
         with pytest.raises(ValueError, match=message):
@@ -83,6 +84,8 @@ def test_unknown_model_and_train_keys_are_refused_by_name(tmp_path):
     ("train=5", r"train: expected a section of key: value settings, got 5"),
     ("model=[1]", r"model: expected a section of key: value settings, got \[1\]"),
     ("data=null", r"data: expected a section of key: value settings, got None"),
+    ("eval.batch_size=0", r"eval.batch_size: expected an integer >= 1 or null, got 0"),
+    ("eval.splt=val", r"eval: unknown key splt; expected keys among split, batch_size, backends"),
 ])
 def test_settings_out_of_range_are_refused_by_name(tmp_path, extra, message):
     with pytest.raises(ValueError, match=message):

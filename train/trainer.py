@@ -56,16 +56,21 @@ MIXED_PRECISIONS = ("no", "fp16", "bf16")  # train.mixed_precision, as accelerat
 # end only, every checkpoint kept, the whole evaluation split.
 TRAIN_COUNTS = {"steps": 0, "batch_size": 1, "warmup": 0, "eval_batch_size": 1, "log_every": 1}
 OPTIONAL_COUNTS = {"eval_every": 0, "checkpoint_every": 0, "keep_checkpoints": 1, "eval_batches": 1}
-# What the data section may hold (limit: a fixed random subset of each split, for quick runs).
+# The sections and settings of a run config's top level.
+CONFIG_KEYS = ("name", "seed", "out_dir", "data", "model", "train", "finetune", "eval")
+# What the data section may hold (limit: a fixed random subset of each split, for quick runs), and
+# the eval section (`magicube evaluate`'s defaults for the run).
 DATA_KEYS = ("task", "path", "auto_generate", "cache_dir", "generate", "limit")
+EVAL_KEYS = ("split", "batch_size", "backends")
 
 
-def check_keys(cfg: dict, section: str, known: tuple[str, ...]) -> None:
-    """A key the code does not read is a typo (`train.max_minute=8` would train without a limit, and
-    LRAConfig, a transformers config, keeps any keyword): refused by name."""
-    unknown = sorted(set(cfg.get(section) or {}) - set(known))
+def check_keys(cfg: dict, section: str | None, known: tuple[str, ...]) -> None:
+    """A key the code does not read is a typo (`train.max_minute=8` would train without a limit,
+    `trian.steps=8` with the config's steps, and LRAConfig, a transformers config, keeps any
+    keyword): refused by name. section None: the config's top level."""
+    unknown = sorted(set((cfg if section is None else cfg.get(section)) or {}) - set(known))
     if unknown:
-        raise ValueError(f"{section}: unknown key{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
+        raise ValueError(f"{section or 'config'}: unknown key{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
                          f"expected keys among {', '.join(known)}")
 
 
@@ -79,16 +84,20 @@ def model_config(cfg: dict) -> LRAConfig:
 
 
 def check_config(cfg: dict) -> None:
-    """The data and train sections and the seed, setting by setting, before anything is written (a
-    negative clip norm would flip the gradients, a log interval of 0 divide by zero; the model
+    """The data, train and eval sections and the seed, setting by setting, before anything is written
+    (a negative clip norm would flip the gradients, a log interval of 0 divide by zero; the model
     section is LRAConfig's to check)."""
-    for section in ("data", "model", "train"):
-        value = cfg.get(section, {} if section == "model" else None)  # the model's defaults are LRAConfig's
+    check_keys(cfg, None, CONFIG_KEYS)
+    for section in ("data", "model", "train", "eval"):
+        value = cfg.get(section, None if section in ("data", "train") else {})  # LRAConfig's and evaluate's defaults
         if not isinstance(value, dict):
             raise ValueError(f"{section}: expected a section of key: value settings, got {value!r}")
     check_keys(cfg, "data", DATA_KEYS)
     check_count("data.limit", cfg["data"].get("limit"), 1, optional=True)
     check_flag("data.auto_generate", cfg["data"].get("auto_generate", False))
+    # `magicube evaluate` reads the eval section; a typo is better found before the training
+    check_keys(cfg, "eval", EVAL_KEYS)
+    check_count("eval.batch_size", cfg.get("eval", {}).get("batch_size"), 1, optional=True)
     check_keys(cfg, "train", TRAIN_KEYS)
     tc = cfg["train"]
     check_count("seed", cfg.get("seed", 0), 0)
