@@ -31,7 +31,7 @@ from transformers.utils import logging as hf_logging
 from magicube.eval.timing import git_commit
 from magicube.model.lra import QUANTIZED, LRAClassifier
 from magicube.train import data as data_mod
-from magicube.train.config import load_config
+from magicube.train.config import check_count, load_config
 from magicube.train.trainer import accuracy, resolve_checkpoint, unreadable
 
 # name -> (attention, sparse_impl); "-fp16" rows run the whole model under fp16 autocast
@@ -60,6 +60,10 @@ def check_precision(ckpt, precision: str | None, backends) -> None:
 def evaluate(path: str | Path, backends=None, split: str | None = None, batch_size: int | None = None,
              max_batches: int | None = None, progress: bool = True, data_overrides: dict | None = None,
              accelerator: Accelerator | None = None, fused: bool = False) -> dict:
+    if isinstance(backends, str):
+        raise ValueError(f"backends: expected a list of backend names, got the string {backends!r}")
+    check_count("batch_size", batch_size, 1, optional=True)
+    check_count("max_batches", max_batches, 1, optional=True)
     ckpt = resolve_checkpoint(path)
     cfg = load_config(ckpt / "run_config.yaml")
     data_cfg = {**cfg["data"], **(data_overrides or {})}

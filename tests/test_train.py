@@ -251,6 +251,18 @@ def test_checkpoint_contents_and_retention(tmp_path):
         evaluate(ckpt, backends=["dense"], progress=False)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(backends="dense"), r"backends: expected a list of backend names, got the string 'dense'"),
+    (dict(batch_size=0), r"batch_size: expected an integer >= 1 or null, got 0"),
+    (dict(max_batches=-2), r"max_batches: expected an integer >= 1 or null, got -2"),
+])
+def test_evaluate_checks_its_arguments_by_name(tmp_path, kwargs, message):
+    """As the command line does: a batch size of 0 fell back to the config's, a negative count of
+    batches cut the split short, and a string was read as backends of one letter each."""
+    with pytest.raises(ValueError, match=message):
+        evaluate(tmp_path, progress=False, **kwargs)
+
+
 def test_text_task_end_to_end(tmp_path, monkeypatch):
     """The byte-level text path (vocab 257, 2 classes, test split as eval) on stand-in reviews."""
     from magicube.train import imdb
