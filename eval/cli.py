@@ -235,7 +235,7 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # a bad path or setting, not a fault of the program: no traceback
         print(f"magicube {args.command}: error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -146,6 +146,9 @@ def test_errors_are_reported_not_raised(tmp_path, capsys):
     assert main(["evaluate", str(tmp_path)]) == 1
     assert "magicube train" in capsys.readouterr().err
     assert main(["train", "--config", "nope"]) == 1
+    (tmp_path / "a_file").touch()  # where a folder should go
+    assert main(["data", "listops", "--config", "tiny", "--out", str(tmp_path / "a_file")]) == 1
+    assert re.search(r"magicube data: error: .*File exists: .*a_file", capsys.readouterr().err)
 
 
 def test_module_entry_point():
