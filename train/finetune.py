@@ -64,10 +64,8 @@ def finetune_config(ckpt: Path, precision: str | None = None, config: str | Path
     source["finetune"] = finetune_section(source, config)
     early = [o for o in overrides if is_finetune_override(o)]
     cfg = apply_overrides(source, early)
+    check_keys(cfg, "finetune", FINETUNE_KEYS, required=True)
     ft = cfg["finetune"]
-    if not isinstance(ft, dict):
-        raise ValueError(f"finetune: expected a section of key: value settings, got {ft!r}")
-    check_keys(cfg, "finetune", FINETUNE_KEYS)
     precision = precision or ft.get("precision")
     if precision not in QUANTIZED:
         raise ValueError(f"precision: expected one of {list(QUANTIZED)}, got {precision!r}")

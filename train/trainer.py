@@ -64,11 +64,14 @@ DATA_KEYS = ("task", "path", "auto_generate", "cache_dir", "generate", "limit")
 EVAL_KEYS = ("split", "batch_size", "backends")
 
 
-def check_keys(cfg: dict, section: str | None, known: tuple[str, ...]) -> None:
-    """A key the code does not read is a typo (`train.max_minute=8` would train without a limit,
-    `trian.steps=8` with the config's steps, and LRAConfig, a transformers config, keeps any
-    keyword): refused by name. section None: the config's top level."""
-    unknown = sorted(set((cfg if section is None else cfg.get(section)) or {}) - set(known))
+def check_keys(cfg: dict, section: str | None, known: tuple[str, ...], required: bool = False) -> None:
+    """A section is a mapping, and a key the code does not read is a typo (`train.max_minute=8` would
+    train without a limit, `trian.steps=8` with the config's steps, and LRAConfig, a transformers
+    config, keeps any keyword): refused by name. section None: the config's top level."""
+    settings = cfg if section is None else cfg.get(section, None if required else {})
+    if not isinstance(settings, dict):
+        raise ValueError(f"{section}: expected a section of key: value settings, got {settings!r}")
+    unknown = sorted(set(settings) - set(known))
     if unknown:
         raise ValueError(f"{section or 'config'}: unknown key{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
                          f"expected keys among {', '.join(known)}")
@@ -84,21 +87,17 @@ def model_config(cfg: dict) -> LRAConfig:
 
 
 def check_config(cfg: dict) -> None:
-    """The data, train and eval sections and the seed, setting by setting, before anything is written
-    (a negative clip norm would flip the gradients, a log interval of 0 divide by zero; the model
-    section is LRAConfig's to check)."""
+    """The config's top level, its data, eval and train sections and the seed, setting by setting,
+    before anything is written (a negative clip norm would flip the gradients, a log interval of 0
+    divide by zero; the model section is model_config's and LRAConfig's to check)."""
     check_keys(cfg, None, CONFIG_KEYS)
-    for section in ("data", "model", "train", "eval"):
-        value = cfg.get(section, None if section in ("data", "train") else {})  # LRAConfig's and evaluate's defaults
-        if not isinstance(value, dict):
-            raise ValueError(f"{section}: expected a section of key: value settings, got {value!r}")
-    check_keys(cfg, "data", DATA_KEYS)
+    check_keys(cfg, "data", DATA_KEYS, required=True)
     check_count("data.limit", cfg["data"].get("limit"), 1, optional=True)
     check_flag("data.auto_generate", cfg["data"].get("auto_generate", False))
     # `magicube evaluate` reads the eval section; a typo is better found before the training
     check_keys(cfg, "eval", EVAL_KEYS)
     check_count("eval.batch_size", cfg.get("eval", {}).get("batch_size"), 1, optional=True)
-    check_keys(cfg, "train", TRAIN_KEYS)
+    check_keys(cfg, "train", TRAIN_KEYS, required=True)
     tc = cfg["train"]
     check_count("seed", cfg.get("seed", 0), 0)
     for key, least in TRAIN_COUNTS.items():
