@@ -219,7 +219,9 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     differ in its last bits, within the error bound of fp32 sums, and a quantized value then by a
     step at 8 bits, a few at 16 (rarely: 1 in 10^5 to 10^3 at the model's sizes).
     """
-    _tensors(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
+    _tensors(x=x, weight=weight)
+    if bias is not None:
+        _tensors(bias=bias)
     heads = _heads(heads)
     s = _scale_tensor(scale, "scale", x.device)
     if s.dim() == 1:
