@@ -178,6 +178,8 @@ def check_sddmm(row_ptr, col_idx, row_order, a, b, scale_a, scale_b, v, bits, ou
                          f"integer arithmetic takes the containers of quantize_to_container")
     m = row_ptr.numel() // 2 * v
     bh = a.shape[0]
+    if a.shape[2] == 0:  # nothing to sum: refused on every device rather than left to the kernels' edge
+        raise ValueError(f"a: expected K >= 1 (the dim the products sum over), got {_describe(a)}")
     if a.shape[1] != m:
         raise ValueError(f"a: expected {m} rows (M of the pattern), got {_describe(a)}")
     if b.shape[0] != bh or b.shape[2] != a.shape[2]:
@@ -243,6 +245,9 @@ def check_sparse_attention(row_ptr, col_idx, row_order, query, key, value, scale
         raise ValueError(f"key: expected BH = {bh} and d' = {d} like query, got {_describe(key)}")
     if (bh_v, n_v) != (bh, n):
         raise ValueError(f"value: expected BH = {bh} and N = {n} rows like key, got {_describe(value)}")
+    for name, t, width in (("query", query, d), ("value", value, width_v)):
+        if width == 0:
+            raise ValueError(f"{name}: expected a head dim >= 1, got {_describe(t)}")
     if heads < 1 or bh % heads:
         raise ValueError(f"heads: expected a positive divisor of BH = {bh} (the batch x heads of query), got {heads!r}")
     dv = width_v * (2 if quantized and qk_bits == 4 else 1)

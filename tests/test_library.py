@@ -172,6 +172,16 @@ def test_sparse_attention_checks_scale_shapes():
                        torch.ops.magicube.sparse_attention(*pat, s, s, s, 4, 1.0, 8, 8, 2))
 
 
+def test_sparse_attention_rejects_an_empty_head_dim():
+    """Refused on every device, not left to the three ops' reshapes and the kernels' edges."""
+    p, _ = problem(2, 2, 8, 4, 0.5, 0)
+    q, kv = torch.zeros(2, 8, 8).half(), torch.zeros(2, 8, 8).half()
+    with pytest.raises(ValueError, match=r"query: expected a head dim >= 1, got .*\(2, 8, 0\)"):
+        sparse_attention(p, q[..., :0], kv[..., :0], kv, softmax_scale=1.0)
+    with pytest.raises(ValueError, match=r"value: expected a head dim >= 1, got .*\(2, 8, 0\)"):
+        sparse_attention(p, q, kv, kv[..., :0], softmax_scale=1.0)
+
+
 def test_sparse_attention_rejects_heads_not_dividing_bh():
     p, _ = problem(6, 2, 8, 4, 0.5, 0)
     q = torch.zeros(6, 8, 8, dtype=torch.float16)
@@ -279,6 +289,7 @@ def test_sddmm_and_softmax_reject_bad_inputs_with_messages():
         (8, 12, r"bits: expected one of \(8, 4, 16\), got 12"),
         (4, args[4].half(), r"b: expected dtype torch.int8"),
         (3, args[3].half(), r"b: fp16 a needs fp16 b"),
+        (3, args[3][:, :, :0], r"a: expected K >= 1 \(the dim the products sum over\)"),
     ]
     for index, value, message in cases:
         with pytest.raises(ValueError, match=message):
