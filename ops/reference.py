@@ -145,8 +145,9 @@ def quantize(x, scale, bits, is_signed):
 
 def qkv_projection(x, weight, bias, scale, heads, bits):
     b, t, _ = x.shape
-    y = projection_heads(x, weight, bias, heads)
-    return quantize_to_container(y, scale.view(3, 1, heads, 1, 1), bits).reshape(3, b * heads, t, -1)
+    q = quantize_to_container(projection_heads(x, weight, bias, heads), scale.view(3, 1, heads, 1, 1), bits)
+    # the width named, not -1: with no rows (B or T 0) it cannot be inferred
+    return q.reshape(3, b * heads, t, q.shape[-1]).contiguous()
 
 
 def projection_heads(x, weight, bias, heads):

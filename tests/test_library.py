@@ -417,6 +417,15 @@ def test_opcheck_qkv_projection(bits, bias):
     torch.library.opcheck(torch.ops.magicube.qkv_projection.default, _qkv_projection_args(bits, bias))
 
 
+@pytest.mark.parametrize("b, t", [(2, 0), (0, 5)])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_opcheck_qkv_projection_of_no_rows(b, t, bits):
+    """No rows (an empty batch or sequence): an empty container of the full shape, as the CUDA op's."""
+    args = _qkv_projection_args(bits, b=b, t=t)
+    torch.library.opcheck(torch.ops.magicube.qkv_projection.default, args)
+    assert torch.ops.magicube.qkv_projection(*args).shape == (3, b * 3, t, 8 // (2 if bits == 4 else 1))
+
+
 def test_qkv_projection_is_the_projection_then_quantize():
     """Containers [3, B * H, T, d'] of Q, K, V: per (batch x head) the fp16 projection's slice quantized
     with its Q/K/V x head scale."""
