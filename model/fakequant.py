@@ -131,6 +131,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
     """
     with torch.autocast(q.device.type, enabled=False):  # integer products need fp32, never bf16/fp16
         q, k, v = q.float(), k.float(), v.float()
+        if q.shape[0] == 0:  # an empty batch: LSQ's gradient factor and the segment reductions need elements
+            return v.new_zeros(*q.shape[:-1], v.shape[-1])
         sq, sk, sv = qkv_scales(q, k, v, bits, scales)
         qi, ki, vi = fake_quantize(q, sq, bits), fake_quantize(k, sk, bits), fake_quantize(v, sv, bits)
         score_scale = (sq * sk)[..., 0]  # fp32 product first, as the kernels; [B or 1, H, 1] for the kept entries

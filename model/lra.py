@@ -267,7 +267,8 @@ def quantize_qkv(qkv: torch.Tensor, bits: int, scale: torch.Tensor | None = None
     _, B, H, T, _ = qkv.shape
     if scale is None:
         scale = qkv_absmax_scale(qkv, bits)
-    return ops.quantize_to_container(qkv, scale, bits).view(3, B * H, T, -1), scale.reshape(3, B * H)
+    c = ops.quantize_to_container(qkv, scale, bits)
+    return c.view(3, B * H, T, c.shape[-1]), scale.reshape(3, B * H)  # the width named: B may be 0
 
 
 def qkv_absmax_scale(qkv: torch.Tensor, bits: int) -> torch.Tensor:

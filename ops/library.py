@@ -373,7 +373,7 @@ def _qkv_projection_cuda(x, weight, bias, scale, heads, bits):
     # The reference's fp32 GEMM: an fp16 one may sum in fp16 (cuBLAS took such a kernel for an x off
     # 16 bytes under allow_fp16_reduced_precision_reduction, PyTorch's default), overflowing past 65504.
     y = reference.projection_heads(x, weight, bias, heads)
-    return quantize_to_container(y, scale.view(3, 1, heads, 1, 1), bits).view(3, x.shape[0] * heads, x.shape[1], -1)
+    return quantize_to_container(y, scale.view(3, 1, heads, 1, 1), bits).view(shape)
 
 
 # The head dims the fused attention kernel is built for (csrc/attention.cu; value's equal to

@@ -344,6 +344,20 @@ def test_input_checks():
     assert mean.config.input_len == 64 and mean(torch.ones(2, 64, dtype=torch.long)).logits.shape == (2, 10)
 
 
+@pytest.mark.parametrize("attention", ["dense", "materialized", "sparse", "16b-8b", "8b-8b", "8b-4b"])
+def test_an_empty_batch_gives_empty_logits(attention):
+    """Every backend and path takes a batch of none (the fake quantization's segment reductions and
+    the quantized paths' views had nothing to infer a width from)."""
+    ids = torch.zeros(0, 63, dtype=torch.long)
+    for impl, fused in (("masked", False), ("ops", False), ("ops", True)):
+        model = LRAClassifier(small_config(attention=attention, sparse_impl=impl, fused=fused))
+        with torch.no_grad():
+            assert model.eval()(ids).logits.shape == (0, 10)
+    if attention in ("16b-8b", "8b-8b", "8b-4b"):  # the finetuning path, learned scales
+        model = LRAClassifier(small_config(attention=attention, quant_precision=attention, quant_scales="learned"))
+        assert model.train()(ids).logits.shape == (0, 10)
+
+
 def test_materialized_attention_matches_sdpa():
     torch.manual_seed(0)
     model = LRAClassifier(LRAConfig(max_len=32, emb_dim=16, num_heads=2, num_layers=1, mlp_dim=32, num_classes=3,
