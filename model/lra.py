@@ -50,6 +50,8 @@ POOLS = ("cls", "mean")
 
 
 def _is_real(x) -> bool:
+    """Not train.config.check_real, which takes a string that spells a number: the config keeps the
+    value as given (and saves it), so a string would reach nn.Dropout and the mask generators."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
