@@ -50,6 +50,7 @@ def test_unknown_model_and_train_keys_are_refused_by_name(tmp_path):
     for extra, message in ((["train.max_minute=8"], r"train: unknown key max_minute; expected keys among steps"),
                            (["data.limt=8"], r"data: unknown key limt; expected keys among task"),
                            (["trian.steps=8"], r"config: unknown key trian; expected keys among name, seed"),
+                           (["finetune.scale=fixed"], r"finetune: unknown key scale; expected keys among precision"),
                            (["model.heads=2", "model.sparsty=0.5"],
                             r"model: unknown keys heads, sparsty; expected keys among max_len")):
         with pytest.raises(ValueError, match=message):

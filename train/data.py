@@ -25,6 +25,13 @@ EVAL_SPLIT = {"text": "test", "listops": "val"}  # LRA text has no validation sp
 CACHE_VERSION = 2
 
 
+def check_task(task) -> str:
+    """data.task, refused by name unless it is one of the tasks."""
+    if task not in NUM_CLASSES:
+        raise ValueError(f"data.task: expected one of {tuple(NUM_CLASSES)}, got {task!r}")
+    return task
+
+
 def listops_spec(cfg: dict) -> listops.ListOpsSpec:
     return listops.ListOpsSpec(**(cfg.get("generate") or {}))
 
@@ -73,9 +80,7 @@ def build_datasets(cfg: dict, length: int):
     """{split: datasets.Dataset with columns input_ids (int16, `length` wide) and label}."""
     import datasets
 
-    task = cfg["task"]
-    if task not in NUM_CLASSES:
-        raise ValueError(f"data.task must be one of {sorted(NUM_CLASSES)}, got {task!r}")
+    task = check_task(cfg.get("task"))
     limit = cfg.get("limit")
     if task == "text":
         src = imdb.find_imdb(cfg.get("path"))

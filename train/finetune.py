@@ -27,19 +27,14 @@ import torch
 from magicube.model import fakequant
 from magicube.model.lra import QUANTIZED, LRAClassifier
 from magicube.train.config import apply_overrides, check_count, config_names, load_config
-from magicube.train.trainer import batch_indices, check_keys, load_weights, resolve_checkpoint, train
-
-
-# What a finetune section may hold (`from` and `source_attention` are written into the run's own).
-FINETUNE_KEYS = ("precision", "scales", "granularity", "calibration_batches", "out_dir", "train", "from",
-                 "source_attention")
+from magicube.train.trainer import FINETUNE_KEYS, batch_indices, check_keys, load_weights, resolve_checkpoint, train
 
 
 def finetune_section(source: dict, config: str | Path | None) -> dict:
     if config is not None:
         section = load_config(config).get("finetune")
         where = f"config {config!r}"
-    elif isinstance(source.get("finetune"), dict):
+    elif "finetune" in source:
         # a finetuned source: its section, less where that run went and came from
         return {k: v for k, v in copy.deepcopy(source["finetune"]).items()
                 if k not in ("out_dir", "from", "source_attention")}

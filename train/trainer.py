@@ -62,6 +62,9 @@ CONFIG_KEYS = ("name", "seed", "out_dir", "data", "model", "train", "finetune", 
 # the eval section (`magicube evaluate`'s defaults for the run).
 DATA_KEYS = ("task", "path", "auto_generate", "cache_dir", "generate", "limit")
 EVAL_KEYS = ("split", "batch_size", "backends")
+# What a finetune section may hold (`from` and `source_attention` are written into the run's own).
+FINETUNE_KEYS = ("precision", "scales", "granularity", "calibration_batches", "out_dir", "train", "from",
+                 "source_attention")
 
 
 def check_keys(cfg: dict, section: str | None, known: tuple[str, ...], required: bool = False) -> None:
@@ -79,24 +82,24 @@ def check_keys(cfg: dict, section: str | None, known: tuple[str, ...], required:
 
 def model_config(cfg: dict) -> LRAConfig:
     check_keys(cfg, "model", MODEL_KEYS)
-    task = cfg["data"].get("task")
-    if task not in data_mod.VOCAB_SIZE:
-        raise ValueError(f"data.task: expected one of {tuple(data_mod.VOCAB_SIZE)}, got {task!r}")
+    task = data_mod.check_task(cfg["data"].get("task"))
     return LRAConfig(vocab_size=data_mod.VOCAB_SIZE[task], num_classes=data_mod.NUM_CLASSES[task],
                      **cfg.get("model", {}))
 
 
 def check_config(cfg: dict) -> None:
-    """The config's top level, its data, eval and train sections and the seed, setting by setting,
-    before anything is written (a negative clip norm would flip the gradients, a log interval of 0
-    divide by zero; the model section is model_config's and LRAConfig's to check)."""
+    """The config's top level, its data, eval, finetune and train sections and the seed, setting by
+    setting, before anything is written (a negative clip norm would flip the gradients, a log
+    interval of 0 divide by zero; the model section is model_config's and LRAConfig's to check)."""
     check_keys(cfg, None, CONFIG_KEYS)
     check_keys(cfg, "data", DATA_KEYS, required=True)
     check_count("data.limit", cfg["data"].get("limit"), 1, optional=True)
     check_flag("data.auto_generate", cfg["data"].get("auto_generate", False))
-    # `magicube evaluate` reads the eval section; a typo is better found before the training
+    # `magicube evaluate` and `magicube finetune` read these sections; a typo is better found before
+    # the training
     check_keys(cfg, "eval", EVAL_KEYS)
     check_count("eval.batch_size", cfg.get("eval", {}).get("batch_size"), 1, optional=True)
+    check_keys(cfg, "finetune", FINETUNE_KEYS)
     check_keys(cfg, "train", TRAIN_KEYS, required=True)
     tc = cfg["train"]
     check_count("seed", cfg.get("seed", 0), 0)
