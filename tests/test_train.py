@@ -154,6 +154,8 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     assert cut["step"] == 6 and latest_checkpoint(tmp_path / "cut").name == "step_0000004"
     # a crash while writing a checkpoint leaves only a temporary folder, which resume ignores
     (tmp_path / "cut" / "checkpoints" / ".tmp_step_0000008").mkdir()
+    with open(tmp_path / "cut" / "metrics.jsonl", "a") as f:  # and a kill while logging, a torn last record
+        f.write('{"step": 7, "lo')
     resumed = train(cfg, progress=False)
     assert resumed["step"] == 12
 

@@ -327,10 +327,14 @@ def _comparable(cfg: dict) -> dict:
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop records an interrupted run logged after the checkpoint it resumes from."""
+    """Drop records an interrupted run logged after the checkpoint it resumes from.
+
+    A record is written with its newline in one write, so text after the last newline is the torn
+    record of a run killed while logging; it was logged after the checkpoint, and goes too."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    whole = path.read_text().rpartition("\n")[0]
+    keep = [line for line in whole.splitlines() if line.strip() and json.loads(line)["step"] <= step]
     _write_atomic(path, "".join(line + "\n" for line in keep))
 
 
