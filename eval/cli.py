@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,12 @@ def _cmd_data(args) -> int:
     return 0
 
 
+def _exit_status(summary: dict) -> int:
+    """0, or a shell's status for the signal that ended the run early (130 for Ctrl-C), so that a
+    script does not go on from a run that stopped short of its steps."""
+    return 128 + signal.Signals[summary["signal"]] if summary["signal"] else 0
+
+
 def _cmd_train(args) -> int:
     from magicube.train.config import load_config
     from magicube.train.trainer import train
@@ -51,7 +58,7 @@ def _cmd_train(args) -> int:
     if int(os.environ.get("RANK", "0")) == 0:  # one line, not one per process of a distributed run
         print(f"trained to step {summary['step']} in {summary['seconds']} s; eval accuracy {summary['eval_accuracy']}; "
               f"checkpoint {summary['checkpoint']}")
-    return 0
+    return _exit_status(summary)
 
 
 def _cmd_finetune(args) -> int:
@@ -63,7 +70,7 @@ def _cmd_finetune(args) -> int:
         print(f"finetuned {summary['from']} for {summary['precision']} to step {summary['step']} in "
               f"{summary['seconds']} s; eval accuracy {summary['eval_accuracy']} (fake-quantized); "
               f"checkpoint {summary['checkpoint']}\nevaluate it: magicube evaluate {summary['out_dir']}")
-    return 0
+    return _exit_status(summary)
 
 
 def _cmd_evaluate(args) -> int:
@@ -76,6 +83,12 @@ def _cmd_evaluate(args) -> int:
     print(to_markdown(report))
     print(f"written to {md} and {js}")
     return 0
+
+
+def _demo_stopped(summary: dict) -> bool:
+    if summary["signal"]:  # the trainer's "run the same command again" would start the demo over
+        print("the demo stopped early; add --resume to the same command to go on where it stopped")
+    return bool(summary["signal"])
 
 
 def _cmd_demo(args) -> int:
@@ -98,6 +111,8 @@ def _cmd_demo(args) -> int:
         shutil.rmtree(run_dir / f"finetune_{precision}" / "checkpoints", ignore_errors=True)
     t0 = time.time()
     summary = train(cfg, resume=args.resume, progress=not args.no_progress)
+    if _demo_stopped(summary):
+        return _exit_status(summary)
     t_train = time.time() - t0
     report = evaluate(run_dir, progress=not args.no_progress)
     md, js = write_report(report, run_dir / f"eval_{report['split']}")
@@ -107,6 +122,8 @@ def _cmd_demo(args) -> int:
     # the source run's config carries the other overrides (sizes, paths) into the finetuning run
     tuned = finetune(run_dir, precision=precision, overrides=[o for o in args.overrides if is_finetune_override(o)],
                      resume=args.resume, progress=not args.no_progress)
+    if _demo_stopped(tuned):
+        return _exit_status(tuned)
     t_tune = time.time() - t1
     tuned_report = evaluate(tuned["out_dir"], progress=not args.no_progress)
     tmd, tjs = write_report(tuned_report, Path(tuned["out_dir"]) / f"eval_{tuned_report['split']}")

@@ -2,10 +2,12 @@
 
 import os
 import random
+import signal
 from dataclasses import dataclass
 
 import torch
 
+from magicube.model.lra import LRAClassifier
 from magicube.ops import SRBCRS, VectorMask, random_vector_mask, to_container
 from magicube.ops.format import value_coordinates
 
@@ -180,3 +182,19 @@ def imdb_source():
 
 __all__ = ["FUZZ_CASES", "FUZZ_SEED", "RandomPattern", "imdb_source", "load_kernels", "poison_allocator", "SRBCRS",
            "awkward_mask", "random_ints", "shifted", "to_container", "problem"]
+
+
+def signal_at_forward(monkeypatch, call: int, signum=signal.SIGINT, times: int = 1) -> None:
+    """Send this process `signum` (`times` over) during the model's `call`-th forward pass: Ctrl-C
+    in the middle of a training step, at a point that does not depend on the machine's speed."""
+    calls = []
+    forward = LRAClassifier.forward
+
+    def signalling(self, *args, **kwargs):
+        calls.append(None)
+        if len(calls) == call:
+            for _ in range(times):
+                signal.raise_signal(signum)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(LRAClassifier, "forward", signalling)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import imdb_source
+from conftest import imdb_source, signal_at_forward
 from magicube.eval.cli import main
 from magicube.train import listops
 
@@ -51,6 +51,17 @@ def test_demo_trains_finetunes_and_evaluates_every_backend(tmp_path, capsys):
     # fp16 is the same model with rounding: close to fp32, yet not bit-identical (it did run in fp16)
     half = again["results"][3]["loss"]
     assert half != rows["dense"]["loss"] and abs(half - rows["dense"]["loss"]) < 1e-2
+
+def test_a_stopped_demo_says_how_to_go_on_and_exits_as_a_shell_would(tmp_path, capsys, monkeypatch):
+    args = ["demo", "--out-dir", str(tmp_path / "demo"), "--no-progress", *SMALL, *_paths(tmp_path)]
+    signal_at_forward(monkeypatch, call=2)  # Ctrl-C in the second training step; SMALL logs every step
+    assert main(args) == 130
+    out = capsys.readouterr().out
+    assert "stopping at step 2: SIGINT received" in out and "add --resume to the same command" in out
+    monkeypatch.undo()
+    assert main([*args[:1], "--resume", *args[1:]]) == 0
+    assert "resuming from" in capsys.readouterr().out
+
 
 def test_train_resumes_and_data_listops(tmp_path, capsys):
     cfg = [*SMALL, *_paths(tmp_path), f"out_dir={tmp_path / 'run'}"]

@@ -1,12 +1,15 @@
 """Training: configs, schedule, batching, checkpoints, and resume equivalence."""
 import json
 import math
+import signal
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import signal_at_forward
 from magicube.eval.evaluate import evaluate
 from magicube.model.lra import LRAClassifier
 from magicube.train.config import apply_overrides, check_real, config_names, load_config
@@ -211,6 +214,40 @@ def test_time_limit_ends_a_part_with_a_checkpoint(tmp_path):
     assert part["step"] == 2 and latest_checkpoint(tmp_path / "parts").name == "step_0000002"
     cfg["train"]["max_minutes"] = None
     assert train(cfg, progress=False)["step"] == 12
+
+
+def test_a_signal_ends_the_run_with_a_checkpoint(tmp_path, monkeypatch):
+    cfg = tiny_cfg(tmp_path, "signalled", "train.steps=12")
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    signal_at_forward(monkeypatch, call=3, signum=signal.SIGTERM)
+    part = train(cfg, progress=False)
+    # the third step ends, and the run stops at the next logging step, between the scheduled checkpoints
+    assert (part["step"], part["signal"]) == (4, "SIGTERM")
+    assert latest_checkpoint(tmp_path / "signalled").name == "step_0000004"
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    monkeypatch.undo()
+    rest, whole = train(cfg, progress=False), train(tiny_cfg(tmp_path, "whole", "train.steps=12"), progress=False)
+    assert (rest["step"], rest["signal"]) == (12, None)
+    wa, wb = _weights(Path(rest["checkpoint"])), _weights(Path(whole["checkpoint"]))
+    assert all(torch.equal(wa[k], wb[k]) for k in wb) and rest["eval_accuracy"] == whole["eval_accuracy"]
+
+
+def test_a_second_signal_stops_at_once(tmp_path, monkeypatch):
+    before = signal.getsignal(signal.SIGINT)
+    signal_at_forward(monkeypatch, call=3, times=2)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_cfg(tmp_path, "stopped", "train.steps=12"), progress=False)
+    assert latest_checkpoint(tmp_path / "stopped") is None and signal.getsignal(signal.SIGINT) is before
+
+
+def test_an_ignored_signal_stays_ignored(tmp_path, monkeypatch):
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a shell script's background job
+    try:
+        signal_at_forward(monkeypatch, call=3)
+        run = train(tiny_cfg(tmp_path, "immune", "train.steps=6"), progress=False)
+        assert (run["step"], run["signal"]) == (6, None) and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_init_from_takes_the_weights_and_keeps_its_own_masks(tmp_path):

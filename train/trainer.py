@@ -20,6 +20,9 @@ import math
 import os
 import random
 import shutil
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -378,8 +381,8 @@ def accuracy(model, ids: torch.Tensor, labels: torch.Tensor, batch_size: int, ac
             "nonfinite": int(nonfinite)}
 
 
-def _any_process(accelerator: Accelerator, flag: bool) -> bool:
-    return bool(accelerator.reduce(torch.tensor(int(flag), device=accelerator.device), "max").item())
+def _most_over_processes(accelerator: Accelerator, value: int) -> int:
+    return int(accelerator.reduce(torch.tensor(value, device=accelerator.device), "max").item())
 
 
 # ---- training ----------------------------------------------------------------------------
@@ -399,6 +402,40 @@ def _accelerator(mixed: str, cpu: bool) -> Accelerator:
                          f"mixed precision {state.mixed_precision!r} on {state.device.type} (set by an earlier run "
                          f"in it), and accelerate keeps one state a process; run this config in a new process, or "
                          f"give it the same settings") from None
+
+
+class StopSignals:
+    """Ctrl-C (SIGINT) or a job scheduler's notice (SIGTERM) while training: the run ends at the
+    next logging step with a checkpoint, as at train.max_minutes, rather than losing the steps
+    since the last one; a second signal stops at once. A signal the process ignores (Ctrl-C in a
+    shell script's background job) stays ignored, and outside the main thread (where Python
+    delivers no signals) nothing changes. The handlers in place before are restored afterwards."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, announce: bool):
+        self.announce, self.received, self.before = announce, 0, {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self.before = {s: signal.signal(s, self._handle) for s in self.SIGNALS
+                           if signal.getsignal(s) is not signal.SIG_IGN}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.before.items():
+            signal.signal(s, handler)
+        self.before = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received:
+            self.__exit__()
+            signal.raise_signal(signum)  # to the handler of before: KeyboardInterrupt, or the end
+            return
+        self.received = signum
+        if self.announce:
+            print(f"\n{signal.Signals(signum).name}: stopping with a checkpoint at the next logging step; "
+                  "send it again to stop at once", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -423,7 +460,8 @@ def deterministic_algorithms(enabled: bool):
 
 def train(cfg: dict, resume: bool = True, progress: bool = True, stop_after: int | None = None,
           init_model=None) -> dict:
-    """Train as the config says; returns a summary. `stop_after` ends early (as an interruption would).
+    """Train as the config says; returns a summary. `stop_after` ends early (as an interruption would);
+    so does a signal (`StopSignals`), whose name the summary then holds under "signal".
 
     `init_model(config, train_split, device, resuming)` builds the model in place of a fresh
     one (finetuning starts from trained weights); when resuming, the checkpoint's weights follow.
@@ -488,7 +526,8 @@ def _train(cfg: dict, resume: bool, progress: bool, stop_after: int | None, init
     eval_batches = tc.get("eval_batches")
     grad_clip = tc.get("grad_clip")
     # A wall-clock budget for one part of a long run: it ends with a checkpoint and the next
-    # part resumes from it. Checked at logging steps, where every process agrees on the answer.
+    # part resumes from it. Checked at logging steps, with the signals, where every process agrees:
+    # the most of 0 (go on), 1 (out of time) and a signal's number (2 or 15) over the processes.
     deadline = time.time() + 60 * float(tc["max_minutes"]) if tc.get("max_minutes") else None
     # The ops serve inference; evaluation during training runs the same function as training.
     eval_impl = "masked" if mcfg.attention in ("sparse", *QUANTIZED) else None
@@ -512,47 +551,52 @@ def _train(cfg: dict, resume: bool, progress: bool, stop_after: int | None, init
     bar = tqdm(total=steps, initial=start, desc=cfg.get("name", "train"), disable=not (progress and main),
                dynamic_ncols=True)
     last_eval, window, loss, t0 = None, [], float("nan"), time.time()
-    step = start
-    while step < steps:
-        torch.manual_seed(step_seed(seed, step, rank))
-        idx = batch_indices(step, len(train_labels), bs, seed)[rank::world]
-        x, y = train_ids[idx].to(accelerator.device), train_labels[idx].to(accelerator.device)
-        with accelerator.autocast():
-            out = model(x, labels=y)
-        accelerator.backward(out.loss)
-        if grad_clip:
-            accelerator.clip_grad_norm_(model.parameters(), float(grad_clip))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        # kept on the device: reading it every step would stall the GPU queue
-        window.append(torch.stack([out.loss.detach().float(), (out.logits.argmax(-1) == y).float().mean()]))
-        if step % log_every == 0 or step == steps:
-            loss, acc = torch.stack(window).mean(0).tolist()
-            log({"step": step, "loss": loss, "accuracy": acc, "lr": scheduler.get_last_lr()[0],
-                 "elapsed_s": round(time.time() - t0, 3)})
-            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.3f}",
-                            **({"eval": f"{last_eval:.3f}"} if last_eval is not None else {}))
-            window = []
-        if (eval_every and step % eval_every == 0) or step == steps:
-            last_eval = evaluate_now(step)["accuracy"]
-            bar.set_postfix(loss=f"{loss:.3f}", eval=f"{last_eval:.3f}")
-        out_of_time = (deadline is not None and step % log_every == 0
-                       and _any_process(accelerator, time.time() > deadline))
-        if (ckpt_every and step % ckpt_every == 0) or step == steps or out_of_time:
-            accelerator.wait_for_everyone()
-            if main:
-                save_checkpoint(out_dir, step, model, optimizer, scheduler, accelerator, cfg,
-                                tc.get("keep_checkpoints"))
-            accelerator.wait_for_everyone()
-        bar.update(1)
-        if out_of_time:
-            accelerator.print(f"stopping at step {step}: train.max_minutes={tc['max_minutes']} reached; "
-                              "run the same command again to resume")
-            break
-        if stop_after is not None and step >= stop_after:
-            break
+    step, stop = start, 0
+    with StopSignals(announce=main) as signals:
+        while step < steps:
+            torch.manual_seed(step_seed(seed, step, rank))
+            idx = batch_indices(step, len(train_labels), bs, seed)[rank::world]
+            x, y = train_ids[idx].to(accelerator.device), train_labels[idx].to(accelerator.device)
+            with accelerator.autocast():
+                out = model(x, labels=y)
+            accelerator.backward(out.loss)
+            if grad_clip:
+                accelerator.clip_grad_norm_(model.parameters(), float(grad_clip))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            # kept on the device: reading it every step would stall the GPU queue
+            window.append(torch.stack([out.loss.detach().float(), (out.logits.argmax(-1) == y).float().mean()]))
+            if step % log_every == 0 or step == steps:
+                loss, acc = torch.stack(window).mean(0).tolist()
+                log({"step": step, "loss": loss, "accuracy": acc, "lr": scheduler.get_last_lr()[0],
+                     "elapsed_s": round(time.time() - t0, 3)})
+                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.3f}",
+                                **({"eval": f"{last_eval:.3f}"} if last_eval is not None else {}))
+                window = []
+            if (eval_every and step % eval_every == 0) or step == steps:
+                last_eval = evaluate_now(step)["accuracy"]
+                bar.set_postfix(loss=f"{loss:.3f}", eval=f"{last_eval:.3f}")
+            stop = 0
+            if step % log_every == 0 and step < steps:
+                out_of_time = deadline is not None and time.time() > deadline
+                stop = _most_over_processes(accelerator, signals.received or int(out_of_time))
+            if (ckpt_every and step % ckpt_every == 0) or step == steps or stop:
+                accelerator.wait_for_everyone()
+                if main:
+                    save_checkpoint(out_dir, step, model, optimizer, scheduler, accelerator, cfg,
+                                    tc.get("keep_checkpoints"))
+                accelerator.wait_for_everyone()
+            bar.update(1)
+            if stop:
+                why = (f"{signal.Signals(stop).name} received" if stop > 1 else
+                       f"train.max_minutes={tc['max_minutes']} reached")
+                accelerator.print(f"stopping at step {step}: {why}; run the same command again to resume")
+                break
+            if stop_after is not None and step >= stop_after:
+                break
     bar.close()
     return {"out_dir": str(out_dir), "step": step, "eval_accuracy": last_eval,
-            "checkpoint": str(latest_checkpoint(out_dir)), "seconds": round(time.time() - t0, 2)}
+            "checkpoint": str(latest_checkpoint(out_dir)), "seconds": round(time.time() - t0, 2),
+            "signal": signal.Signals(stop).name if stop > 1 else None}
