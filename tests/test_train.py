@@ -216,6 +216,13 @@ def test_time_limit_ends_a_part_with_a_checkpoint(tmp_path):
     assert train(cfg, progress=False)["step"] == 12
 
 
+def test_resuming_with_another_model_is_refused_by_name(tmp_path):
+    train(tiny_cfg(tmp_path, "run", "train.steps=4"), progress=False)
+    with pytest.raises(ValueError, match=r"(?s)step_0000004: the checkpoint does not fit the model of this config "
+                                         r"\(.*blocks.2.*\); pass --no-resume"):
+        train(tiny_cfg(tmp_path, "run", "train.steps=8", "model.num_layers=3"), progress=False)
+
+
 def test_a_signal_ends_the_run_with_a_checkpoint(tmp_path, monkeypatch):
     cfg = tiny_cfg(tmp_path, "signalled", "train.steps=12")
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)

@@ -306,9 +306,13 @@ def read_trainer_state(path: Path) -> dict:
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, accelerator) -> int:
-    accelerator.unwrap_model(model).load_state_dict(read_tensors(path / "model.safetensors"))
-    state = read_trainer_state(path)
-    optimizer.load_state_dict(state["optimizer"])
+    weights, state = read_tensors(path / "model.safetensors"), read_trainer_state(path)
+    try:
+        accelerator.unwrap_model(model).load_state_dict(weights)
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError) as err:  # the config's model changed since: other weights
+        raise ValueError(f"{path}: the checkpoint does not fit the model of this config ({err}); pass "
+                         "--no-resume to start over, or give the run another out_dir") from None
     scheduler.load_state_dict(state["scheduler"])
     if accelerator.scaler is not None and state["scaler"] is not None:
         accelerator.scaler.load_state_dict(state["scaler"])
