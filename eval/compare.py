@@ -39,9 +39,9 @@ def _time(record: dict) -> float | None:
 def _records(run: dict, where: str) -> list[dict]:
     """The kernel benchmarks' records; `magicube bench`'s rows as two records each, the model and
     the layer of one backend."""
-    if isinstance(run.get("records"), list):
+    if isinstance(run, dict) and isinstance(run.get("records"), list):
         return run["records"]
-    if isinstance(run.get("rows"), list):
+    if isinstance(run, dict) and isinstance(run.get("rows"), list):
         return [{"kernel": f"{row['backend']} {part}", "b": row.get("batch"), "seq": row.get("length"),
                  "h": row.get("heads"), "sparsity": row.get("sparsity"), "v": row.get("v"),
                  "median_ms": row[part].get("median_ms")}
@@ -58,9 +58,10 @@ def _cells(run: dict, where: str) -> dict[tuple, dict]:
     return cells
 
 
-def compare(old: dict, new: dict, by: str = "sparsity") -> dict:
-    """Geometric means of new / old time per kernel, overall and by the parameter `by`."""
-    a, b = _cells(old, "old run"), _cells(new, "new run")
+def compare(old: dict, new: dict, by: str = "sparsity", names: tuple[str, str] = ("old run", "new run")) -> dict:
+    """Geometric means of new / old time per kernel, overall and by the parameter `by`; `names`
+    are the runs' in messages (their files)."""
+    a, b = _cells(old, names[0]), _cells(new, names[1])
     common = a.keys() & b.keys()
     if not common:
         raise ValueError("the two runs time no cell in common (different benchmarks or configurations?)")
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
         if not path.is_file():
             parser.error(f"no such benchmark JSON: {path}")
     try:
-        result = compare(read_json(args.old), read_json(args.new), args.by)
+        result = compare(read_json(args.old), read_json(args.new), args.by, (str(args.old), str(args.new)))
     except ValueError as e:
         parser.error(str(e))
     text = to_markdown(result)

@@ -95,6 +95,10 @@ def test_command_prints_and_writes_the_table(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["compare", str(old), str(new), "--by", "sparsty"])
     assert "--by: no cell of the two runs has 'sparsty'; their cells have" in capsys.readouterr().err
+    (tmp_path / "list.json").write_text("[1, 2]")  # JSON, but no benchmark's (an AttributeError before)
+    with pytest.raises(SystemExit):
+        main(["compare", str(tmp_path / "list.json"), str(new)])
+    assert f"{tmp_path / 'list.json'}: neither 'records'" in capsys.readouterr().err
 
 
 def test_markdown_leaves_groups_a_kernel_lacks_empty():
