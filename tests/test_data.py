@@ -1,6 +1,8 @@
 """Data pipelines: byte-level IMDB from the real archive, ListOps generation, TSVs and tokens."""
 import tarfile
+from pathlib import Path
 
+import datasets
 import pytest
 
 from conftest import imdb_source
@@ -169,6 +171,22 @@ def test_listops_dataset_pipeline(tmp_path):
     src, tgt = listops.read_tsv(tmp_path / "lo" / "basic_test.tsv")
     assert t["test"][0][5].tolist() == listops.encode(src[5], 64)
     assert t["test"][1].tolist() == tgt
+
+
+def test_an_interrupted_cache_build_leaves_nothing_behind(tmp_path, monkeypatch):
+    cfg = {"task": "listops", "path": str(tmp_path / "lo"), "auto_generate": True, "cache_dir": str(tmp_path / "c"),
+           "generate": SMALL.__dict__}
+    save = datasets.Dataset.save_to_disk
+
+    def ctrl_c_after_one_split(self, path, *args, **kwargs):
+        if Path(path).name != "train":
+            raise KeyboardInterrupt
+        return save(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", ctrl_c_after_one_split)
+    with pytest.raises(KeyboardInterrupt):
+        data.load_tensors(cfg, 64)
+    assert list((tmp_path / "c").iterdir()) == []  # nor the train split it had written
 
 
 def test_listops_settings_out_of_range_and_empty_splits_are_refused(tmp_path):

@@ -126,6 +126,9 @@ def build_datasets(cfg: dict, length: int):
             ds = ds.map(_encode_batch(length, encode), batched=True, batch_size=1000,
                         remove_columns=[c for c in ds.column_names if c != "label"], features=features)
             ds.save_to_disk(str(tmp / s))
+    except BaseException:  # Ctrl-C too: a half-built cache is hundreds of MB for IMDB
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     finally:
         if bars:
             datasets.enable_progress_bars()
