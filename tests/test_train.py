@@ -13,8 +13,8 @@ from conftest import signal_at_forward
 from magicube.eval.evaluate import evaluate
 from magicube.model.lra import LRAClassifier
 from magicube.train.config import apply_overrides, check_real, config_names, load_config
-from magicube.train.trainer import (accuracy, batch_indices, latest_checkpoint, lr_lambda, lra_lr_lambda,
-                                    read_trainer_state, train)
+from magicube.train.trainer import (StopSignals, accuracy, batch_indices, latest_checkpoint, lr_lambda,
+                                    lra_lr_lambda, read_trainer_state, train)
 
 TINY_OVERRIDES = [
     "data.generate.num_train=256", "data.generate.num_val=32", "data.generate.num_test=32",
@@ -240,8 +240,13 @@ def test_a_signal_ends_the_run_with_a_checkpoint(tmp_path, monkeypatch):
 
 
 def test_a_second_signal_stops_at_once(tmp_path, monkeypatch):
-    before = signal.getsignal(signal.SIGINT)
+    # two at once are one sent twice (a launcher passing the terminal's on to its workers)
     signal_at_forward(monkeypatch, call=3, times=2)
+    assert train(tiny_cfg(tmp_path, "one", "train.steps=12"), progress=False)["step"] == 4
+    monkeypatch.undo()
+    signal_at_forward(monkeypatch, call=3, times=2)
+    monkeypatch.setattr(StopSignals, "REPEAT_S", 0.0)  # as if a second had passed in between
+    before = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
         train(tiny_cfg(tmp_path, "stopped", "train.steps=12"), progress=False)
     assert latest_checkpoint(tmp_path / "stopped") is None and signal.getsignal(signal.SIGINT) is before

@@ -411,14 +411,17 @@ def _accelerator(mixed: str, cpu: bool) -> Accelerator:
 class StopSignals:
     """Ctrl-C (SIGINT) or a job scheduler's notice (SIGTERM) while training: the run ends at the
     next logging step with a checkpoint, as at train.max_minutes, rather than losing the steps
-    since the last one; a second signal stops at once. A signal the process ignores (Ctrl-C in a
+    since the last one; a second signal stops at once. One within a second of the first is the
+    same one twice: a launcher (torchrun, accelerate launch) passes the terminal's Ctrl-C on to
+    its workers, which had it from the terminal too. A signal the process ignores (Ctrl-C in a
     shell script's background job) stays ignored, and outside the main thread (where Python
     delivers no signals) nothing changes. The handlers in place before are restored afterwards."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    REPEAT_S = 1.0
 
     def __init__(self, announce: bool):
-        self.announce, self.received, self.before = announce, 0, {}
+        self.announce, self.received, self.before, self.since = announce, 0, {}, 0.0
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -432,14 +435,14 @@ class StopSignals:
         self.before = {}
 
     def _handle(self, signum: int, frame) -> None:
-        if self.received:
+        if not self.received:
+            self.received, self.since = signum, time.monotonic()
+            if self.announce:
+                print(f"\n{signal.Signals(signum).name}: stopping with a checkpoint at the next logging step; "
+                      "send it again to stop at once", file=sys.stderr, flush=True)
+        elif time.monotonic() - self.since >= self.REPEAT_S:
             self.__exit__()
             signal.raise_signal(signum)  # to the handler of before: KeyboardInterrupt, or the end
-            return
-        self.received = signum
-        if self.announce:
-            print(f"\n{signal.Signals(signum).name}: stopping with a checkpoint at the next logging step; "
-                  "send it again to stop at once", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
