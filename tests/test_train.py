@@ -14,7 +14,7 @@ from magicube.eval.evaluate import evaluate
 from magicube.model.lra import LRAClassifier
 from magicube.train.config import apply_overrides, check_real, config_names, load_config
 from magicube.train.trainer import (StopSignals, accuracy, batch_indices, latest_checkpoint, lr_lambda,
-                                    lra_lr_lambda, read_trainer_state, train)
+                                    lra_lr_lambda, read_trainer_state, resolve_checkpoint, train)
 
 TINY_OVERRIDES = [
     "data.generate.num_train=256", "data.generate.num_val=32", "data.generate.num_test=32",
@@ -281,6 +281,8 @@ def test_checkpoint_contents_and_retention(tmp_path):
     root = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000008"]
     ckpt = root / "step_0000008"
+    # what a shell completes to inside a run names its checkpoint too
+    assert {resolve_checkpoint(p) for p in (tmp_path / "run", root, ckpt, ckpt / "model.safetensors")} == {ckpt}
     assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "config.json", "trainer_state.safetensors",
                                                 "trainer_state.json", "run_config.yaml"}  # no pickles
     state = read_trainer_state(ckpt)

@@ -184,11 +184,15 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or the run directory whose latest checkpoint is meant."""
+    """A checkpoint directory, or the run directory whose latest checkpoint is meant. The paths a
+    shell completes to inside them (a checkpoint's model.safetensors, a run's checkpoints/) mean
+    the same."""
     path = Path(path)
+    if path.name == "model.safetensors" and path.is_file():
+        path = path.parent
     if (path / "model.safetensors").is_file():
         return path
-    ckpt = latest_checkpoint(path)
+    ckpt = latest_checkpoint(path.parent if path.name == CHECKPOINTS else path)
     if ckpt is None:
         raise FileNotFoundError(f"{path}: neither a checkpoint (model.safetensors) nor a run directory with "
                                 "checkpoints/; train one with `magicube train --config NAME`")
