@@ -198,7 +198,11 @@ def main(argv=None, prog: str = "python -m magicube.eval.bench_model") -> int:
     if args.compile == "reduce-overhead" and args.cuda_graph:
         parser.error("--compile reduce-overhead replays CUDA graphs of its own; drop --cuda-graph")
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this machine has no CUDA device that PyTorch sees")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.cuda_graph and device.type != "cuda":  # the CPU timer would ignore it, the JSON would not
+        parser.error("--cuda-graph: CUDA graphs need a CUDA device, and this run times on the CPU")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     if args.quick:
         args.batch, args.length, args.heads, args.sparsity = [8], [4096], [4], [0.9]

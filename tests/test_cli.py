@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import imdb_source, signal_at_forward
 from magicube.eval.cli import main
@@ -122,6 +123,13 @@ def test_cli_names_the_model_backends():
 def test_bench_checks_every_backend_and_says_cpu_timings_are_cpu_timings(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--anything"])
+    with pytest.raises(SystemExit):  # it ran, and its JSON said the timings were CUDA graph replays
+        main(["bench", "--device", "cpu", "--cuda-graph"])
+    assert "--cuda-graph: CUDA graphs need a CUDA device" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):  # a RuntimeError from deep in torch before
+            main(["bench", "--device", "cuda"])
+        assert "--device cuda: this machine has no CUDA device" in capsys.readouterr().err
     assert main(["bench", "--device", "cpu", "--backends", "materialized", "sparse", "8b-8b", "--reps", "3",
                  "--out", str(tmp_path)]) == 0
     assert "these are CPU timings" in capsys.readouterr().err
