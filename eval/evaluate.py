@@ -32,7 +32,8 @@ from magicube.eval.timing import git_commit
 from magicube.model.lra import QUANTIZED, LRAClassifier
 from magicube.train import data as data_mod
 from magicube.train.config import check_count, load_config
-from magicube.train.trainer import accuracy, resolve_checkpoint, unreadable
+from magicube.train.checkpoint import resolve_checkpoint, unreadable
+from magicube.train.trainer import accuracy
 
 # name -> (attention, sparse_impl); "-fp16" rows run the whole model under fp16 autocast
 BACKENDS = {"dense": ("dense", "auto"), "dense-fp16": ("dense", "auto"), "sparse-masked": ("sparse", "masked"),

@@ -13,7 +13,8 @@ from magicube.model import fakequant
 from magicube.model.lra import QUANTIZED, LRAClassifier, LRAConfig
 from magicube.train.config import load_config
 from magicube.train.finetune import calibrate, finetune, finetune_config
-from magicube.train.trainer import read_trainer_state, train
+from magicube.train.checkpoint import read_trainer_state
+from magicube.train.trainer import train
 
 PRECISIONS = list(QUANTIZED)
 # The fake-quantized forward trains on GPUs too, where its reductions run other kernels.

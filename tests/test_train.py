@@ -13,8 +13,8 @@ from conftest import signal_at_forward
 from magicube.eval.evaluate import evaluate
 from magicube.model.lra import LRAClassifier
 from magicube.train.config import apply_overrides, check_real, config_names, load_config
-from magicube.train.trainer import (StopSignals, accuracy, batch_indices, latest_checkpoint, lr_lambda,
-                                    lra_lr_lambda, read_trainer_state, resolve_checkpoint, train)
+from magicube.train.checkpoint import latest_checkpoint, read_trainer_state, resolve_checkpoint
+from magicube.train.trainer import StopSignals, accuracy, batch_indices, lr_lambda, lra_lr_lambda, train
 
 TINY_OVERRIDES = [
     "data.generate.num_train=256", "data.generate.num_val=32", "data.generate.num_test=32",

@@ -27,7 +27,8 @@ import torch
 from magicube.model import fakequant
 from magicube.model.lra import QUANTIZED, LRAClassifier
 from magicube.train.config import apply_overrides, check_count, config_names, load_config
-from magicube.train.trainer import FINETUNE_KEYS, batch_indices, check_keys, load_weights, resolve_checkpoint, train
+from magicube.train.checkpoint import load_weights, resolve_checkpoint
+from magicube.train.trainer import FINETUNE_KEYS, batch_indices, check_keys, train
 
 
 def finetune_section(source: dict, config: str | Path | None) -> dict:
