@@ -1,6 +1,7 @@
 """Training: configs, schedule, batching, checkpoints, and resume equivalence."""
 import json
 import math
+import shutil
 import signal
 from pathlib import Path
 from types import SimpleNamespace
@@ -283,6 +284,10 @@ def test_checkpoint_contents_and_retention(tmp_path):
     ckpt = root / "step_0000008"
     # what a shell completes to inside a run names its checkpoint too
     assert {resolve_checkpoint(p) for p in (tmp_path / "run", root, ckpt, ckpt / "model.safetensors")} == {ckpt}
+    (root / "checkpoints" / "step_0000001").mkdir(parents=True)  # a run named "checkpoints" is still one
+    (root / "checkpoints" / "step_0000001" / "trainer_state.json").write_text("{}")
+    assert resolve_checkpoint(root) == root / "checkpoints" / "step_0000001"
+    shutil.rmtree(root / "checkpoints")
     assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "config.json", "trainer_state.safetensors",
                                                 "trainer_state.json", "run_config.yaml"}  # no pickles
     state = read_trainer_state(ckpt)

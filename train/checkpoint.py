@@ -48,7 +48,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
         path = path.parent
     if (path / "model.safetensors").is_file():
         return path
-    ckpt = latest_checkpoint(path.parent if path.name == CHECKPOINTS else path)
+    ckpt = latest_checkpoint(path)
+    if ckpt is None and path.name == CHECKPOINTS:  # (a run may be named "checkpoints" too)
+        ckpt = latest_checkpoint(path.parent)
     if ckpt is None:
         raise FileNotFoundError(f"{path}: neither a checkpoint (model.safetensors) nor a run directory with "
                                 "checkpoints/; train one with `magicube train --config NAME`")
