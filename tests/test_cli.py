@@ -53,6 +53,7 @@ def test_demo_trains_finetunes_and_evaluates_every_backend(tmp_path, capsys):
     half = again["results"][3]["loss"]
     assert half != rows["dense"]["loss"] and abs(half - rows["dense"]["loss"]) < 1e-2
 
+
 def test_a_stopped_demo_says_how_to_go_on_and_exits_as_a_shell_would(tmp_path, capsys, monkeypatch):
     args = ["demo", "--out-dir", str(tmp_path / "demo"), "--no-progress", *SMALL, *_paths(tmp_path)]
     signal_at_forward(monkeypatch, call=2)  # Ctrl-C in the second training step; SMALL logs every step
