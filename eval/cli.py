@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("--path", help="aclImdb_v1.tar.gz or the aclImdb folder (default: $MAGICUBE_IMDB, then ./data)")
     d.set_defaults(func=_cmd_data)
 
-    t = sub.add_parser("train", help="train from a YAML config (resumes from the last checkpoint)")
+    t = sub.add_parser("train", help="train from a YAML config (resumes from the last checkpoint; Ctrl-C or "
+                       "SIGTERM stops at the next logging step with one)")
     t.add_argument("--config", required=True, help="a built-in config name (tiny, lra_text, lra_listops) or a path")
     t.add_argument("--no-resume", action="store_true", help="start from scratch even if checkpoints exist")
     t.add_argument("--no-progress", action="store_true")
