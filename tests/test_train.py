@@ -149,7 +149,7 @@ def _records(run):
             for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_resume_matches_uninterrupted_run(tmp_path):
+def test_resume_matches_uninterrupted_run(tmp_path, capsys):
     full = train(tiny_cfg(tmp_path, "full", "train.steps=12"), progress=False)
     assert full["step"] == 12
 
@@ -170,6 +170,9 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     assert all(torch.equal(oa[i]["exp_avg_sq"], ob[i]["exp_avg_sq"]) for i in oa)
     assert _records(tmp_path / "full") == _records(tmp_path / "cut")  # no duplicated or lost log lines
     assert full["eval_accuracy"] == resumed["eval_accuracy"]
+    capsys.readouterr()
+    assert train(cfg, progress=False)["step"] == 12  # a run at its end says so, rather than nothing
+    assert "step_0000012 is at step 12 and train.steps=12: nothing to train" in capsys.readouterr().out
 
 
 def test_deterministic_algorithms_for_the_run_only(tmp_path):

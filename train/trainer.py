@@ -362,6 +362,9 @@ def _train(cfg: dict, resume: bool, progress: bool, stop_after: int | None, init
             metrics_path.unlink()
 
     steps, bs = int(tc["steps"]), int(tc["batch_size"])
+    if start >= steps:
+        accelerator.print(f"{ckpt} is at step {start} and train.steps={steps}: nothing to train (raise train.steps to "
+                          "go on, or pass --no-resume to start over)")
     world, rank = accelerator.num_processes, accelerator.process_index
     if bs % world:
         raise ValueError(f"train.batch_size {bs} is not divisible by the {world} processes")
