@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_data)
 
     t = sub.add_parser("train", help="train from a YAML config (resumes from the last checkpoint; Ctrl-C or "
-                       "SIGTERM stops at the next logging step with one)")
+                       "SIGTERM stops it with one)")
     t.add_argument("--config", required=True, help="a built-in config name (tiny, lra_text, lra_listops) or a path")
     t.add_argument("--no-resume", action="store_true", help="start from scratch even if checkpoints exist")
     t.add_argument("--no-progress", action="store_true")

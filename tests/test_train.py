@@ -232,9 +232,11 @@ def test_a_signal_ends_the_run_with_a_checkpoint(tmp_path, monkeypatch):
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     signal_at_forward(monkeypatch, call=3, signum=signal.SIGTERM)
     part = train(cfg, progress=False)
-    # the third step ends, and the run stops at the next logging step, between the scheduled checkpoints
-    assert (part["step"], part["signal"]) == (4, "SIGTERM")
-    assert latest_checkpoint(tmp_path / "signalled").name == "step_0000004"
+    # one process stops after the step it was in (3), between logging steps (2, 4) and checkpoints (4, 8),
+    # and logs the steps since the last record
+    assert (part["step"], part["signal"]) == (3, "SIGTERM")
+    assert latest_checkpoint(tmp_path / "signalled").name == "step_0000003"
+    assert [r["step"] for r in _records(tmp_path / "signalled") if "loss" in r] == [2, 3]
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
     monkeypatch.undo()
     rest, whole = train(cfg, progress=False), train(tiny_cfg(tmp_path, "whole", "train.steps=12"), progress=False)
@@ -246,7 +248,7 @@ def test_a_signal_ends_the_run_with_a_checkpoint(tmp_path, monkeypatch):
 def test_a_second_signal_stops_at_once(tmp_path, monkeypatch):
     # two at once are one sent twice (a launcher passing the terminal's on to its workers)
     signal_at_forward(monkeypatch, call=3, times=2)
-    assert train(tiny_cfg(tmp_path, "one", "train.steps=12"), progress=False)["step"] == 4
+    assert train(tiny_cfg(tmp_path, "one", "train.steps=12"), progress=False)["step"] == 3
     monkeypatch.undo()
     signal_at_forward(monkeypatch, call=3, times=2)
     monkeypatch.setattr(StopSignals, "REPEAT_S", 0.0)  # as if a second had passed in between

@@ -4,8 +4,8 @@ Batches are a pure function of (seed, step): step s reads slice s of a per-epoch
 and the dropout generator is re-seeded from (seed, step, rank) every step. A resumed run
 therefore continues exactly where the interrupted one stood, given the weights, optimizer,
 scheduler (and loss scaler) state in the last checkpoint (`checkpoint.py`); on a GPU bit for
-bit with train.deterministic (see `deterministic_algorithms`). Ctrl-C or SIGTERM ends a run at
-its next logging step with a checkpoint (`StopSignals`).
+bit with train.deterministic (see `deterministic_algorithms`). Ctrl-C or SIGTERM ends a run with
+a checkpoint (`StopSignals`).
 
 Devices, mixed precision (train.mixed_precision: no / fp16 / bf16) and data-parallel runs come
 from accelerate; on several GPUs the global batch is split over the processes:
@@ -247,19 +247,22 @@ def _accelerator(mixed: str, cpu: bool) -> Accelerator:
 
 
 class StopSignals:
-    """Ctrl-C (SIGINT) or a job scheduler's notice (SIGTERM) while training: the run ends at the
-    next logging step with a checkpoint, as at train.max_minutes, rather than losing the steps
-    since the last one; a second signal stops at once. One within a second of the first is the
-    same one twice: a launcher (torchrun, accelerate launch) passes the terminal's Ctrl-C on to
-    its workers, which had it from the terminal too. A signal the process ignores (Ctrl-C in a
-    shell script's background job) stays ignored, and outside the main thread (where Python
-    delivers no signals) nothing changes. The handlers in place before are restored afterwards."""
+    """Ctrl-C (SIGINT) or a job scheduler's notice (SIGTERM) while training: the run ends with a
+    checkpoint, as at train.max_minutes, rather than losing the steps since the last one: after
+    the step it is in, or with several processes at the next logging step, where they agree (a
+    scheduler's grace must cover train.log_every steps then). A second signal stops at once.
+
+    One within a second of the first is the same one twice: a launcher (torchrun, accelerate
+    launch) passes the terminal's Ctrl-C on to its workers, which had it from the terminal too.
+    A signal the process ignores (Ctrl-C in a shell script's background job) stays ignored, and
+    outside the main thread (where Python delivers no signals) nothing changes. The handlers in
+    place before are restored afterwards."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     REPEAT_S = 1.0
 
-    def __init__(self, announce: bool):
-        self.announce, self.received, self.before, self.since = announce, 0, {}, 0.0
+    def __init__(self, announce: bool, when: str):
+        self.announce, self.when, self.received, self.before, self.since = announce, when, 0, {}, 0.0
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -276,8 +279,8 @@ class StopSignals:
         if not self.received:
             self.received, self.since = signum, time.monotonic()
             if self.announce:
-                print(f"\n{signal.Signals(signum).name}: stopping with a checkpoint at the next logging step; "
-                      "send it again to stop at once", file=sys.stderr, flush=True)
+                print(f"\n{signal.Signals(signum).name}: stopping with a checkpoint {self.when}; send it again "
+                      "to stop at once", file=sys.stderr, flush=True)
         elif time.monotonic() - self.since >= self.REPEAT_S:
             self.__exit__()
             signal.raise_signal(signum)  # to the handler of before: KeyboardInterrupt, or the end
@@ -375,7 +378,8 @@ def _train(cfg: dict, resume: bool, progress: bool, stop_after: int | None, init
     grad_clip = tc.get("grad_clip")
     # A wall-clock budget for one part of a long run: it ends with a checkpoint and the next
     # part resumes from it. Checked at logging steps, with the signals, where every process agrees:
-    # the most of 0 (go on), 1 (out of time) and a signal's number (2 or 15) over the processes.
+    # the most of 0 (go on), 1 (out of time) and a signal's number (2 or 15) over the processes. A
+    # single process also stops on a signal at once, after the step it is in.
     deadline = time.time() + 60 * float(tc["max_minutes"]) if tc.get("max_minutes") else None
     # The ops serve inference; evaluation during training runs the same function as training.
     eval_impl = "masked" if mcfg.attention in ("sparse", *QUANTIZED) else None
@@ -400,7 +404,7 @@ def _train(cfg: dict, resume: bool, progress: bool, stop_after: int | None, init
                dynamic_ncols=True)
     last_eval, window, loss, t0 = None, [], float("nan"), time.time()
     step, stop = start, 0
-    with StopSignals(announce=main) as signals:
+    with StopSignals(announce=main, when="after this step" if world == 1 else "at the next logging step") as signals:
         while step < steps:
             torch.manual_seed(step_seed(seed, step, rank))
             idx = batch_indices(step, len(train_labels), bs, seed)[rank::world]
@@ -416,7 +420,13 @@ def _train(cfg: dict, resume: bool, progress: bool, stop_after: int | None, init
             step += 1
             # kept on the device: reading it every step would stall the GPU queue
             window.append(torch.stack([out.loss.detach().float(), (out.logits.argmax(-1) == y).float().mean()]))
-            if step % log_every == 0 or step == steps:
+            stop = 0
+            if step % log_every == 0 and step < steps:
+                out_of_time = deadline is not None and time.time() > deadline
+                stop = _most_over_processes(accelerator, signals.received or int(out_of_time))
+            elif world == 1 and step < steps:
+                stop = signals.received  # one process agrees with itself at any step, without a sync
+            if step % log_every == 0 or step == steps or stop:
                 loss, acc = torch.stack(window).mean(0).tolist()
                 log({"step": step, "loss": loss, "accuracy": acc, "lr": scheduler.get_last_lr()[0],
                      "elapsed_s": round(time.time() - t0, 3)})
@@ -426,10 +436,6 @@ def _train(cfg: dict, resume: bool, progress: bool, stop_after: int | None, init
             if (eval_every and step % eval_every == 0) or step == steps:
                 last_eval = evaluate_now(step)["accuracy"]
                 bar.set_postfix(loss=f"{loss:.3f}", eval=f"{last_eval:.3f}")
-            stop = 0
-            if step % log_every == 0 and step < steps:
-                out_of_time = deadline is not None and time.time() > deadline
-                stop = _most_over_processes(accelerator, signals.received or int(out_of_time))
             if (ckpt_every and step % ckpt_every == 0) or step == steps or stop:
                 accelerator.wait_for_everyone()
                 if main:
