@@ -33,6 +33,7 @@ from magicube.model.lra import QUANTIZED, LRAClassifier
 from magicube.train import data as data_mod
 from magicube.train.config import check_count, load_config
 from magicube.train.checkpoint import resolve_checkpoint, unreadable
+from magicube.train.files import write_atomic
 from magicube.train.trainer import accuracy
 
 # name -> (attention, sparse_impl); "-fp16" rows run the whole model under fp16 autocast
@@ -162,11 +163,11 @@ def read_json(path: str | Path):
 
 
 def write_markdown_and_json(text: str, data: dict, out: str | Path) -> tuple[Path, Path]:
-    """Write `text` to `<out>.md` and `data` to `<out>.json`."""
+    """Write `text` to `<out>.md` and `data` to `<out>.json`, each whole (`write_atomic`)."""
     md, js = report_paths(out)
     md.parent.mkdir(parents=True, exist_ok=True)
-    md.write_text(text)
-    js.write_text(json.dumps(data, indent=2) + "\n")
+    write_atomic(md, text)
+    write_atomic(js, json.dumps(data, indent=2) + "\n")
     return md, js
 
 

@@ -10,13 +10,13 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from magicube.eval.args import positive_int
+from magicube.train.files import write_atomic
 
 
 def capture(fn, calls: int = 1):
@@ -139,14 +139,9 @@ def device_slug(env: dict) -> str:
 
 
 def save_json(path, obj) -> Path:
-    """Write JSON atomically (a temporary file renamed over the target)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-    os.replace(tmp, path)
-    return path
+    """Write JSON whole (`write_atomic`), making its folder."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return write_atomic(path, json.dumps(obj, indent=1, default=str))
 
 
 def kernel_bench_args(module: str, doc: str, argv, *, quick: str, reps: int, reps_help: str | None = None,

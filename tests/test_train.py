@@ -12,9 +12,11 @@ from safetensors.torch import load_file
 
 from conftest import signal_at_forward
 from magicube.eval.evaluate import evaluate
+from magicube.eval.timing import save_json
 from magicube.model.lra import LRAClassifier
 from magicube.train.config import apply_overrides, check_real, config_names, load_config
 from magicube.train.checkpoint import latest_checkpoint, read_trainer_state, resolve_checkpoint
+from magicube.train.files import write_atomic
 from magicube.train.trainer import StopSignals, accuracy, batch_indices, lr_lambda, lra_lr_lambda, train
 
 TINY_OVERRIDES = [
@@ -313,6 +315,18 @@ def test_checkpoint_contents_and_retention(tmp_path):
     (ckpt / "model.safetensors").write_bytes(b"\0" * 64)
     with pytest.raises(ValueError, match=r"model.safetensors: not a readable safetensors file"):
         evaluate(ckpt, backends=["dense"], progress=False)
+
+
+def test_files_are_written_whole_with_the_usual_permissions(tmp_path):
+    old = tmp_path / "report.json"
+    old.write_text("old")
+    with pytest.raises(UnicodeEncodeError):  # fails while writing: the old file stays, nothing beside it
+        write_atomic(old, "new \ud800")
+    assert old.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["report.json"]
+    # what benchmarks and reports write can be read by whoever reads the folder, as with write_text
+    saved = save_json(tmp_path / "bench" / "spmm.json", {"x": 1})
+    assert json.loads(saved.read_text()) == {"x": 1}
+    assert saved.stat().st_mode == old.stat().st_mode
 
 
 @pytest.mark.parametrize("kwargs, message", [

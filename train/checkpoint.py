@@ -22,6 +22,7 @@ from transformers.utils import logging as hf_logging
 
 from magicube.model.lra import LRAClassifier
 from magicube.train.config import dump_config
+from magicube.train.files import write_atomic
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -82,12 +83,6 @@ def load_weights(model: LRAClassifier, source: str | Path, skip: tuple[str, ...]
         raise ValueError(f"{path}: weights do not fit the model: {err}") from None
     if unexpected or any(not k.endswith(skip) for k in missing):
         raise ValueError(f"{path}: weights do not fit the model (missing {missing}, unexpected {unexpected})")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _encode(obj, tensors: dict, key: str = "t"):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from magicube.train.files import write_atomic
+
 
 def config_names() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files("magicube.configs").iterdir() if p.name.endswith(".yaml"))
@@ -87,4 +89,4 @@ def check_real(name: str, value, least: float | None = None, above: float | None
 
 
 def dump_config(cfg: dict, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg, sort_keys=False))
+    write_atomic(path, yaml.safe_dump(cfg, sort_keys=False))

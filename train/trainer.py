@@ -31,9 +31,9 @@ from tqdm.auto import tqdm
 
 from magicube.model.lra import QUANTIZED, LRAClassifier, LRAConfig
 from magicube.train import data as data_mod
-from magicube.train.checkpoint import (latest_checkpoint, load_checkpoint, load_weights, save_checkpoint,
-                                       write_atomic)
+from magicube.train.checkpoint import latest_checkpoint, load_checkpoint, load_weights, save_checkpoint
 from magicube.train.config import check_count, check_flag, check_real, dump_config, load_config
+from magicube.train.files import write_atomic
 
 # What the train section may hold (a finetune section's train keys are merged into it).
 TRAIN_KEYS = ("steps", "batch_size", "lr", "schedule", "warmup", "scale_lr", "betas", "eps", "weight_decay",

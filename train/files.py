@@ -1,0 +1,19 @@
+"""Writing a run's files whole: a reader, or a run killed meanwhile, sees the old file or the new."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def write_atomic(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` through a temporary file renamed over it. The file gets the
+    permissions `write_text` would give it (`tempfile.mkstemp` would make it private)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, Ctrl-C: leave no temporary file beside the old one
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
