@@ -1,9 +1,13 @@
 """Data pipelines: byte-level IMDB from the real archive, ListOps generation, TSVs and tokens."""
 import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import datasets
 import pytest
+import torch
+from filelock import FileLock
 
 from conftest import imdb_source
 from magicube.train import data, imdb, listops
@@ -186,7 +190,7 @@ def test_an_interrupted_cache_build_leaves_nothing_behind(tmp_path, monkeypatch)
     monkeypatch.setattr(datasets.Dataset, "save_to_disk", ctrl_c_after_one_split)
     with pytest.raises(KeyboardInterrupt):
         data.load_tensors(cfg, 64)
-    assert list((tmp_path / "c").iterdir()) == []  # nor the train split it had written
+    assert not any(p.is_dir() for p in (tmp_path / "c").iterdir())  # nor the train split it had written
 
 
 def test_listops_settings_out_of_range_and_empty_splits_are_refused(tmp_path):
@@ -198,7 +202,7 @@ def test_listops_settings_out_of_range_and_empty_splits_are_refused(tmp_path):
            "generate": {**SMALL.__dict__, "num_test": 0}}  # generated (an empty file), but nothing to train on
     with pytest.raises(ValueError, match=r"data: the test split of .* holds no examples"):
         data.load_tensors(cfg, 64)
-    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+    assert not any(p.is_dir() for p in (tmp_path / "c").iterdir())  # no cache, not even a part of one
 
 
 @pytest.mark.parametrize("content, match", [
@@ -220,17 +224,26 @@ def test_listops_missing_file(tmp_path):
         data.build_datasets({"task": "listops", "path": str(tmp_path), "cache_dir": str(tmp_path / "c")}, 32)
 
 
-def test_cache_published_by_another_process_first_is_kept(tmp_path):
-    # Two processes built the same cache; the second to finish must not fail nor clobber the first.
-    cache, tmp = tmp_path / "text-8-abc", tmp_path / "text-8-abc.tmp2"
-    for d, owner in ((cache, "first"), (tmp, "second")):
-        d.mkdir()
-        (d / "done").write_text(owner)
-    data._publish(tmp, cache)
-    assert (cache / "done").read_text() == "first" and not tmp.exists()
-    stale, fresh = tmp_path / "stale", tmp_path / "stale.tmp3"  # no "done": an interrupted older build
-    stale.mkdir(), fresh.mkdir()
-    (stale / "junk").write_text("x")
-    (fresh / "done").write_text("new")
-    data._publish(fresh, stale)
-    assert (stale / "done").read_text() == "new" and not (stale / "junk").exists()
+def test_cache_is_built_once_and_cleans_up_after_a_killed_build(tmp_path, monkeypatch):
+    cfg = {"task": "listops", "path": str(tmp_path / "lo"), "auto_generate": True, "cache_dir": str(tmp_path / "c"),
+           "generate": SMALL.__dict__}
+    want = data.load_tensors(cfg, 64)
+    (cache,) = [p for p in (tmp_path / "c").iterdir() if p.is_dir()]
+    # A build killed outright (SIGKILL) left its folder; the next build removes it.
+    (cache / "done").unlink()
+    left = cache.with_name(cache.name + ".tmp")
+    (left / "train").mkdir(parents=True)
+    got = data.load_tensors(cfg, 64)
+    assert torch.equal(got["test"][0], want["test"][0]) and (cache / "done").is_file() and not left.exists()
+    # A run that waited for another's build of the same cache takes it rather than building again.
+    (cache / "done").rename(tmp_path / "done")
+    monkeypatch.setattr(data, "_build", lambda *args: pytest.fail("built twice"))
+    with ThreadPoolExecutor(1) as pool:
+        with FileLock(cache.with_name(cache.name + ".lock")):
+            waiting = pool.submit(data.load_tensors, cfg, 64)
+            time.sleep(0.5)
+            assert not waiting.done()  # held at the lock
+            (tmp_path / "done").rename(cache / "done")
+        assert torch.equal(waiting.result()["test"][0], want["test"][0])
+
+

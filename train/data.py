@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from filelock import FileLock
 
 from . import imdb, listops
 
@@ -92,8 +93,18 @@ def build_datasets(cfg: dict, length: int):
                    for s in splits]
     cache = Path(cfg.get("cache_dir") or "runs/cache") / f"{task}-{length}-" \
         f"{_fingerprint(CACHE_VERSION, task, key_src, length, limit)}"
-    if (cache / "done").is_file():
-        return {s: datasets.load_from_disk(str(cache / s)) for s in splits}
+    if not (cache / "done").is_file():
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        # An OS lock, which dies with its holder: runs that want the same cache at once build it
+        # once, and a build folder seen while holding the lock was left by a build killed outright.
+        with FileLock(cache.with_name(cache.name + ".lock")):
+            if not (cache / "done").is_file():
+                _build(task, src, splits, limit, length, cache)
+    return {s: datasets.load_from_disk(str(cache / s)) for s in splits}
+
+
+def _build(task: str, src: Path, splits: tuple[str, ...], limit: int | None, length: int, cache: Path) -> None:
+    import datasets
 
     if task == "text":
         raw = imdb.read_imdb(src)
@@ -110,7 +121,7 @@ def build_datasets(cfg: dict, length: int):
             raise ValueError(f"data: the {s} split of {src} holds no examples")
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int16"), length=length),
                                   "label": datasets.Value("int64")})
-    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+    tmp = cache.with_name(cache.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # seconds of work: the training bar is the one to watch
@@ -133,21 +144,8 @@ def build_datasets(cfg: dict, length: int):
         if bars:
             datasets.enable_progress_bars()
     (tmp / "done").write_text(json.dumps({"task": task, "length": length, "limit": limit}))
-    _publish(tmp, cache)
-    return {s: datasets.load_from_disk(str(cache / s)) for s in splits}
-
-
-def _publish(tmp: Path, cache: Path) -> None:
-    """Move a finished cache into place. Several processes may build the same cache at once
-    (one per GPU); the first to publish wins and the others drop their identical copies."""
-    if cache.exists() and not (cache / "done").is_file():
-        shutil.rmtree(cache, ignore_errors=True)  # left by an interrupted older layout
-    try:
-        os.replace(tmp, cache)
-    except OSError:
-        if not (cache / "done").is_file():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(cache, ignore_errors=True)  # a folder without "done": an interrupted older layout
+    os.replace(tmp, cache)
 
 
 def load_tensors(cfg: dict, length: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
