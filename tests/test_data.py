@@ -219,6 +219,13 @@ def test_listops_malformed_files_name_the_file(tmp_path, content, match):
     assert str(p) in str(e.value) and "magicube data listops" in str(e.value)
 
 
+def test_listops_folder_that_cannot_be_written_fails_before_generating(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(listops, "generate", lambda spec: pytest.fail("generated first"))
+    with pytest.raises(OSError, match=r"file/lo: cannot write the ListOps TSVs there \(Not a directory\)"):
+        listops.write_splits(tmp_path / "file" / "lo", SMALL)
+
+
 def test_listops_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="magicube data listops"):
         data.build_datasets({"task": "listops", "path": str(tmp_path), "cache_dir": str(tmp_path / "c")}, 32)
