@@ -32,8 +32,11 @@ def tiny_cfg(tmp_path, name, *extra, sizes=TINY_OVERRIDES):
                                 f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / name}", *extra])
 
 
-def test_configs_load_by_name_and_path(tmp_path):
+def test_configs_load_by_name_and_path(tmp_path, monkeypatch):
     assert {"tiny", "lra_text", "lra_listops"} <= set(config_names())
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()  # a run folder named like a config: the name still means the config
+    assert load_config("tiny")["name"] == "tiny"
     text = load_config("lra_text")
     m, t = text["model"], text["train"]
     assert (m["max_len"], m["num_layers"], m["num_heads"], m["emb_dim"], m["mlp_dim"], m["sparsity"], m["v"]) == \

@@ -21,7 +21,7 @@ def config_names() -> list[str]:
 
 def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict:
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    if path.suffix in (".yaml", ".yml") or path.is_file():  # a folder named like a config (a run) is not one
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} not found")
         text = path.read_text()
