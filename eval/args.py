@@ -5,6 +5,9 @@ names the option ("argument --reps: expected a positive integer, got 0"). No tor
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from magicube.train.files import writable_folder
 
 
 def positive_int(text: str) -> int:
@@ -27,3 +30,17 @@ def fraction(text: str) -> float:
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {value}")
     return value
+
+
+def output_folder(text: str) -> Path:
+    """A folder to write into, made now: a bad path fails before the work, not after it."""
+    try:
+        return writable_folder(text)
+    except OSError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def output_prefix(text: str) -> Path:
+    """A path without suffix (.md and .json are written beside it), its folder made now."""
+    output_folder(str(Path(text).parent))
+    return Path(text)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from magicube.eval.args import fraction, positive_int
+from magicube.eval.args import fraction, output_folder, positive_int
 from magicube.eval.timing import cpu_time, cuda_time, environment, save_json
 from magicube.model.lra import QUANTIZED, LRAClassifier, LRAConfig
 from magicube.train.finetune import calibrate, set_calibrated_scales
@@ -192,7 +192,7 @@ def main(argv=None, prog: str = "python -m magicube.eval.bench_model") -> int:
                              "CUDA graphs torch.compile makes itself (instead of --cuda-graph)")
     parser.add_argument("--profile", action="store_true",
                         help="also list the kernels one layer spends its time in (torch.profiler, outside any graph)")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench"))
+    parser.add_argument("--out", type=output_folder, default="runs/bench")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda where there is one")
     args = parser.parse_args(argv)
     if args.compile == "reduce-overhead" and args.cuda_graph:

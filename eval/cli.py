@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from magicube.eval.args import positive_int
+from magicube.eval.args import output_prefix, positive_int
 
 # the integer backends of magicube.model.QUANTIZED, named here so that `magicube --help` needs no torch
 QUANTIZED = ("16b-8b", "8b-8b", "8b-4b")
@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=positive_int)
     e.add_argument("--max-batches", type=positive_int,
                    help="evaluate N batches only (a fixed random subset of the split, the same for every backend)")
-    e.add_argument("--out", help="report path without suffix (.md and .json are written)")
+    e.add_argument("--out", type=output_prefix, help="report path without suffix (.md and .json are written)")
     e.add_argument("--fused", action="store_true", help="run the sparse backends as the one fused attention op")
     e.add_argument("--no-progress", action="store_true")
     e.set_defaults(func=_cmd_evaluate)

@@ -23,6 +23,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from magicube.eval.args import output_prefix
 from magicube.eval.evaluate import read_json, write_markdown_and_json
 
 # Record fields that name a cell (those a record has): what it runs, then its shape and pattern.
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
                         "magicube bench)")
     parser.add_argument("new", type=Path, help="a JSON of the same benchmark to compare with it")
     parser.add_argument("--by", default="sparsity", help="the cell parameter of the columns (default: sparsity)")
-    parser.add_argument("--out", type=Path, help="path without suffix: .md and .json are written")
+    parser.add_argument("--out", type=output_prefix, help="path without suffix: .md and .json are written")
     args = parser.parse_args(argv)
     for path in (args.old, args.new):
         if not path.is_file():

@@ -19,6 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from magicube.eval.args import output_prefix
 from magicube.eval.evaluate import read_json, write_markdown_and_json
 from magicube.model.lra import QUANTIZED
 
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="magicube table", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("reports", nargs="+", type=Path, help="JSON reports of `magicube evaluate`")
-    parser.add_argument("--out", type=Path, help="path without suffix: .md and .json are written")
+    parser.add_argument("--out", type=output_prefix, help="path without suffix: .md and .json are written")
     args = parser.parse_args(argv)
     missing = [str(p) for p in args.reports if not p.is_file()]
     if missing:

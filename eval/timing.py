@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from magicube.eval.args import positive_int
+from magicube.eval.args import output_folder, positive_int
 from magicube.train.files import write_atomic
 
 
@@ -151,7 +151,7 @@ def kernel_bench_args(module: str, doc: str, argv, *, quick: str, reps: int, rep
     `python -m magicube.eval.<module>`."""
     ap = argparse.ArgumentParser(prog=f"python -m magicube.eval.{module}", description=doc.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=quick)
-    ap.add_argument("--out", default="eval/results", help="directory for the JSON and the plot")
+    ap.add_argument("--out", type=output_folder, default="eval/results", help="directory for the JSON and the plot")
     ap.add_argument("--reps", type=positive_int, default=reps, help=reps_help)
     if extra is not None:
         extra(ap)

@@ -1,4 +1,5 @@
 """The `magicube` command line."""
+import contextlib
 import json
 import re
 import subprocess
@@ -168,7 +169,22 @@ def test_errors_are_reported_not_raised(tmp_path, capsys):
     assert main(["train", "--config", "nope"]) == 1
     (tmp_path / "a_file").touch()  # where a folder should go
     assert main(["data", "listops", "--config", "tiny", "--out", str(tmp_path / "a_file")]) == 1
-    assert re.search(r"magicube data: error: .*File exists: .*a_file", capsys.readouterr().err)
+    assert re.search(r"magicube data: error: .*a_file: cannot write files there \(a file, not a folder\)",
+                     capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("args", [["evaluate", "run", "--out", "{f}/report"], ["table", "r.json", "--out", "{f}/t"],
+                                  ["compare", "a.json", "b.json", "--out", "{f}/c"], ["bench", "--out", "{f}/b"],
+                                  ["train", "--config", "tiny", "out_dir={f}/run"]])
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_work(args, tmp_path, capsys):
+    """Before, `evaluate` ran every backend over the split (minutes on LRA text) and then lost the
+    report to "[Errno 17] File exists"; the benchmarks lost their first row."""
+    (tmp_path / "a_file").touch()
+    args = [a.format(f=tmp_path / "a_file") for a in args]
+    with contextlib.suppress(SystemExit):
+        assert main(args) == 1
+    err = capsys.readouterr().err
+    assert re.search(rf"magicube {args[0]}: error: (argument --out|out_dir): .*a_file.*: cannot write files there", err)
 
 
 def test_module_entry_point():

@@ -5,6 +5,22 @@ import os
 from pathlib import Path
 
 
+def writable_folder(folder: str | Path, name: str = "") -> Path:
+    """`folder`, made if missing, or an error that names it (and the setting `name`) where files
+    cannot be written there: a bad output path fails before the work rather than after it."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        reason = None if os.access(folder, os.W_OK) else "not writable"
+    except FileExistsError:
+        reason = "a file, not a folder"
+    except OSError as err:
+        reason = err.strerror or str(err)
+    if reason:
+        raise OSError(f"{name + ': ' if name else ''}{folder}: cannot write files there ({reason})")
+    return folder
+
+
 def write_atomic(path: str | Path, text: str) -> Path:
     """Write `text` to `path` through a temporary file renamed over it. The file gets the
     permissions `write_text` would give it (`tempfile.mkstemp` would make it private)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from magicube.train.config import check_count
+from magicube.train.files import writable_folder
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 END = "]"
@@ -116,14 +117,7 @@ def write_tsv(path: str | os.PathLike, rows: list[tuple[str, int]]) -> None:
 
 
 def write_splits(directory: str | os.PathLike, spec: ListOpsSpec) -> dict[str, Path]:
-    directory = Path(directory)
-    try:  # before the minute that generating takes, not after it
-        directory.mkdir(parents=True, exist_ok=True)
-        reason = None if os.access(directory, os.W_OK) else "not writable"
-    except OSError as err:
-        reason = err.strerror or str(err)
-    if reason:
-        raise OSError(f"{directory}: cannot write the ListOps TSVs there ({reason})")
+    writable_folder(directory)  # before the minute that generating takes
     data = generate(spec)
     paths = {}
     for split, rows in data.items():
