@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from magicube.train.files import writable_folder
+from magicube.train.files import check_writable
 
 
 def positive_int(text: str) -> int:
@@ -33,14 +33,14 @@ def fraction(text: str) -> float:
 
 
 def output_folder(text: str) -> Path:
-    """A folder to write into, made now: a bad path fails before the work, not after it."""
+    """A folder to write into (`check_writable`)."""
     try:
-        return writable_folder(text)
+        return check_writable(text)
     except OSError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def output_prefix(text: str) -> Path:
-    """A path without suffix (.md and .json are written beside it), its folder made now."""
+    """A path without suffix (.md and .json are written beside it) in a folder to write into."""
     output_folder(str(Path(text).parent))
     return Path(text)

@@ -1,6 +1,7 @@
 """Training: configs, schedule, batching, checkpoints, and resume equivalence."""
 import json
 import math
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -16,7 +17,7 @@ from magicube.eval.timing import save_json
 from magicube.model.lra import LRAClassifier
 from magicube.train.config import apply_overrides, check_real, config_names, load_config
 from magicube.train.checkpoint import latest_checkpoint, read_trainer_state, resolve_checkpoint
-from magicube.train.files import write_atomic
+from magicube.train.files import check_writable, write_atomic
 from magicube.train.trainer import StopSignals, accuracy, batch_indices, lr_lambda, lra_lr_lambda, train
 
 TINY_OVERRIDES = [
@@ -330,6 +331,18 @@ def test_files_are_written_whole_with_the_usual_permissions(tmp_path):
     saved = save_json(tmp_path / "bench" / "spmm.json", {"x": 1})
     assert json.loads(saved.read_text()) == {"x": 1}
     assert saved.stat().st_mode == old.stat().st_mode
+
+
+def test_an_output_folder_is_checked_without_being_made(tmp_path, monkeypatch):
+    assert check_writable(tmp_path / "a" / "b") == tmp_path / "a" / "b" and not (tmp_path / "a").exists()
+    (tmp_path / "f").write_text("")
+    with pytest.raises(OSError, match=r"out_dir: .*/f: cannot write files there \(a file, not a folder\)"):
+        check_writable(tmp_path / "f", "out_dir")
+    with pytest.raises(OSError, match=r"f/run: cannot write files there \(.*/f is a file\)"):
+        check_writable(tmp_path / "f" / "run")
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as root, a mode bit forbids nothing
+    with pytest.raises(OSError, match=r"a/b: cannot write files there \(.+ is not writable\)"):
+        check_writable(tmp_path / "a" / "b")
 
 
 @pytest.mark.parametrize("kwargs, message", [

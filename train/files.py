@@ -5,20 +5,21 @@ import os
 from pathlib import Path
 
 
-def writable_folder(folder: str | Path, name: str = "") -> Path:
-    """`folder`, made if missing, or an error that names it (and the setting `name`) where files
-    cannot be written there: a bad output path fails before the work rather than after it."""
+def check_writable(folder: str | Path, name: str = "") -> Path:
+    """`folder`, or an error that names it (and the setting `name`) where files could not be
+    written into it, made as needed: a bad output path fails before the work, not after it. It
+    makes nothing, so a command refused for another reason leaves no empty folder."""
     folder = Path(folder)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        reason = None if os.access(folder, os.W_OK) else "not writable"
-    except FileExistsError:
-        reason = "a file, not a folder"
-    except OSError as err:
-        reason = err.strerror or str(err)
-    if reason:
-        raise OSError(f"{name + ': ' if name else ''}{folder}: cannot write files there ({reason})")
-    return folder
+    there = folder
+    while not there.exists() and there.parent != there:  # the folder as far as it exists
+        there = there.parent
+    if not there.is_dir():
+        reason = "a file, not a folder" if there == folder else f"{there} is a file"
+    elif not os.access(there, os.W_OK):
+        reason = "not writable" if there == folder else f"{there} is not writable"
+    else:
+        return folder
+    raise OSError(f"{name + ': ' if name else ''}{folder}: cannot write files there ({reason})")
 
 
 def write_atomic(path: str | Path, text: str) -> Path:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from magicube.train.config import check_count
-from magicube.train.files import writable_folder
+from magicube.train.files import check_writable
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 END = "]"
@@ -117,7 +117,7 @@ def write_tsv(path: str | os.PathLike, rows: list[tuple[str, int]]) -> None:
 
 
 def write_splits(directory: str | os.PathLike, spec: ListOpsSpec) -> dict[str, Path]:
-    writable_folder(directory)  # before the minute that generating takes
+    check_writable(directory).mkdir(parents=True, exist_ok=True)  # before the minute that generating takes
     data = generate(spec)
     paths = {}
     for split, rows in data.items():

@@ -33,7 +33,7 @@ from magicube.model.lra import QUANTIZED, LRAClassifier, LRAConfig
 from magicube.train import data as data_mod
 from magicube.train.checkpoint import latest_checkpoint, load_checkpoint, load_weights, save_checkpoint
 from magicube.train.config import check_count, check_flag, check_real, dump_config, load_config
-from magicube.train.files import writable_folder, write_atomic
+from magicube.train.files import check_writable, write_atomic
 
 # What the train section may hold (a finetune section's train keys are merged into it).
 TRAIN_KEYS = ("steps", "batch_size", "lr", "schedule", "warmup", "scale_lr", "betas", "eps", "weight_decay",
@@ -327,7 +327,7 @@ def _train(cfg: dict, resume: bool, progress: bool, stop_after: int | None, init
     accelerator = _accelerator(tc.get("mixed_precision") or "no", tc.get("cpu", False))
     main = accelerator.is_main_process
     if main:
-        writable_folder(out_dir, "out_dir")
+        check_writable(out_dir, "out_dir").mkdir(parents=True, exist_ok=True)
         dump_config(cfg, out_dir / "config.yaml")
 
     torch.manual_seed(seed)  # weight initialization
