@@ -1,4 +1,5 @@
-"""Writing a run's files whole: a reader, or a run killed meanwhile, sees the old file or the new."""
+"""Output files: their folder checked before the work, each file written whole (a reader, or a
+run killed meanwhile, sees the old file or the new)."""
 from __future__ import annotations
 
 import os
@@ -6,9 +7,9 @@ from pathlib import Path
 
 
 def check_writable(folder: str | Path, name: str = "") -> Path:
-    """`folder`, or an error that names it (and the setting `name`) where files could not be
-    written into it, made as needed: a bad output path fails before the work, not after it. It
-    makes nothing, so a command refused for another reason leaves no empty folder."""
+    """`folder` where files can be written into it (once the part of it that is missing is made),
+    else an error that names it and the setting `name`: a bad output path fails before the work,
+    not after it. It makes nothing, so a command refused for another reason leaves no empty folder."""
     folder = Path(folder)
     there = folder
     while not there.exists() and there.parent != there:  # the folder as far as it exists
