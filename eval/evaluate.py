@@ -165,7 +165,6 @@ def read_json(path: str | Path):
 def write_markdown_and_json(text: str, data: dict, out: str | Path) -> tuple[Path, Path]:
     """Write `text` to `<out>.md` and `data` to `<out>.json`, each whole (`write_atomic`)."""
     md, js = report_paths(out)
-    md.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(md, text)
     write_atomic(js, json.dumps(data, indent=2) + "\n")
     return md, js

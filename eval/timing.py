@@ -139,8 +139,7 @@ def device_slug(env: dict) -> str:
 
 
 def save_json(path, obj) -> Path:
-    """Write JSON whole (`write_atomic`), making its folder."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    """Write JSON whole (`write_atomic`)."""
     return write_atomic(path, json.dumps(obj, indent=1, default=str))
 
 

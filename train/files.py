@@ -24,9 +24,10 @@ def check_writable(folder: str | Path, name: str = "") -> Path:
 
 
 def write_atomic(path: str | Path, text: str) -> Path:
-    """Write `text` to `path` through a temporary file renamed over it. The file gets the
-    permissions `write_text` would give it (`tempfile.mkstemp` would make it private)."""
+    """Write `text` to `path` through a temporary file renamed over it, making its folder. The file
+    gets the permissions `write_text` would give it (`tempfile.mkstemp` would make it private)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
         tmp.write_text(text)
