@@ -18,6 +18,7 @@ from magicube.model.lra import LRAClassifier
 from magicube.train.config import apply_overrides, check_real, config_names, load_config
 from magicube.train.checkpoint import latest_checkpoint, read_trainer_state, resolve_checkpoint
 from magicube.train.files import check_writable, write_atomic
+from magicube.train.listops import read_tsv, write_tsv
 from magicube.train.trainer import StopSignals, accuracy, batch_indices, lr_lambda, lra_lr_lambda, train
 
 TINY_OVERRIDES = [
@@ -327,6 +328,11 @@ def test_files_are_written_whole_with_the_usual_permissions(tmp_path):
     with pytest.raises(UnicodeEncodeError):  # fails while writing: the old file stays, nothing beside it
         write_atomic(old, "new \ud800")
     assert old.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["report.json"]
+    tsv = tmp_path / "basic_train.tsv"  # the ListOps writer, which streams its rows, likewise
+    write_tsv(tsv, [("( 1 )", 1)])
+    with pytest.raises(UnicodeEncodeError):
+        write_tsv(tsv, [("( 2 )", 2)] * 10_000 + [("\ud800", 3)])
+    assert read_tsv(tsv) == (["( 1 )"], [1]) and sorted(p.name for p in tmp_path.iterdir()) == [tsv.name, old.name]
     # what benchmarks and reports write can be read by whoever reads the folder, as with write_text
     saved = save_json(tmp_path / "bench" / "spmm.json", {"x": 1})
     assert json.loads(saved.read_text()) == {"x": 1}

@@ -3,7 +3,10 @@ run killed meanwhile, sees the old file or the new)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 
 def check_writable(folder: str | Path, name: str = "") -> Path:
@@ -23,16 +26,25 @@ def check_writable(folder: str | Path, name: str = "") -> Path:
     raise OSError(f"{name + ': ' if name else ''}{folder}: cannot write files there ({reason})")
 
 
-def write_atomic(path: str | Path, text: str) -> Path:
-    """Write `text` to `path` through a temporary file renamed over it, making its folder. The file
-    gets the permissions `write_text` would give it (`tempfile.mkstemp` would make it private)."""
+@contextmanager
+def open_atomic(path: str | Path, newline: str | None = None) -> Iterator[TextIO]:
+    """A text file to write `path` through, making its folder: a temporary file beside it, renamed
+    over it once the block ends, removed if the block fails. The file gets the permissions
+    `write_text` would give it (`tempfile.mkstemp` would make it private)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
-        tmp.write_text(text)
+        with open(tmp, "w", newline=newline) as f:
+            yield f
         os.replace(tmp, path)
     except BaseException:  # a full disk, Ctrl-C: leave no temporary file beside the old one
         tmp.unlink(missing_ok=True)
         raise
-    return path
+
+
+def write_atomic(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` whole (`open_atomic`)."""
+    with open_atomic(path) as f:
+        f.write(text)
+    return Path(path)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from magicube.train.config import check_count
-from magicube.train.files import check_writable
+from magicube.train.files import check_writable, open_atomic
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 END = "]"
@@ -105,15 +105,11 @@ def tsv_path(directory: str | os.PathLike, split: str) -> Path:
 
 
 def write_tsv(path: str | os.PathLike, rows: list[tuple[str, int]]) -> None:
-    """Write one LRA TSV atomically (a reader never sees half a file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w", newline="") as f:
+    """Write one LRA TSV whole (a reader never sees half a file)."""
+    with open_atomic(path, newline="") as f:
         w = csv.writer(f, delimiter="\t", lineterminator="\n")
         w.writerow(["Source", "Target"])
         w.writerows(rows)
-    os.replace(tmp, path)
 
 
 def write_splits(directory: str | os.PathLike, spec: ListOpsSpec) -> dict[str, Path]:
