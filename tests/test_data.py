@@ -155,7 +155,7 @@ def test_listops_deterministic_by_seed():
 
 
 def test_listops_tsv_roundtrip_and_tokens(tmp_path):
-    paths = listops.write_splits(tmp_path, SMALL)
+    paths = listops.write_splits(tmp_path / "new" / "lo", SMALL)  # the folder is made
     assert paths["train"].name == "basic_train.tsv"
     assert paths["val"].read_text().splitlines()[0] == "Source\tTarget"
     src, tgt = listops.read_tsv(paths["train"])

@@ -113,7 +113,7 @@ def write_tsv(path: str | os.PathLike, rows: list[tuple[str, int]]) -> None:
 
 
 def write_splits(directory: str | os.PathLike, spec: ListOpsSpec) -> dict[str, Path]:
-    check_writable(directory).mkdir(parents=True, exist_ok=True)  # before the minute that generating takes
+    check_writable(directory)  # before the minute that generating takes; write_tsv makes it
     data = generate(spec)
     paths = {}
     for split, rows in data.items():
